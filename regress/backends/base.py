@@ -1,0 +1,132 @@
+"""The engine backend interface.
+
+A backend runs inside the engine process, in the candidate's own environment (which has
+the engine, torch and transformers but not regress's dependencies), so this module imports
+only the standard library and numpy.
+
+A backend does four things: load a model, render a prompt to token ids with the model's
+tokenizer (chat template for ``messages``), generate free-running with per-position top-k
+logprobs, and score given token sequences teacher-forced (logprobs of each given token and
+the top-k at its position).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+ProgressCallback = Callable[[int], None]
+"""Called with the number of requests finished since the last call."""
+
+
+class ChatTemplateMissing(Exception):
+    """A ``messages`` prompt reached a tokenizer without a chat template."""
+
+
+@dataclass
+class LogprobRows:
+    """Per-position logprobs along a token sequence (see :class:`regress.records.LogprobTrack`)."""
+
+    token_logprobs: np.ndarray  # float32 [n]
+    top_ids: np.ndarray  # int32 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k]
+
+    @classmethod
+    def empty(cls, k: int) -> "LogprobRows":
+        return cls(
+            np.zeros(0, np.float32), np.full((0, k), -1, np.int32), np.full((0, k), -np.inf, np.float32)
+        )
+
+
+@dataclass
+class RawGeneration:
+    """One prompt's free-running output as the engine returned it."""
+
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: LogprobRows
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt, already tokenized, with its resolved sampling (a dict of ResolvedSampling fields)."""
+
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+class EngineBackend(abc.ABC):
+    """One loaded model. Subclasses register under :attr:`name` in :mod:`regress.backends`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: dict[str, Any]):
+        """``spec`` is :meth:`regress.records.CandidateSpec.engine_spec` as a dict."""
+        self.spec = spec
+
+    @abc.abstractmethod
+    def load(self) -> dict[str, Any]:
+        """Load the model. Returns facts for the manifest: ``resolved_path``, ``revision``,
+        ``dtype``, ``quantization``, ``engine_args`` (as passed)."""
+
+    @abc.abstractmethod
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine uses."""
+
+    @abc.abstractmethod
+    def generate(
+        self, requests: list[GenerationRequest], progress: ProgressCallback
+    ) -> list[RawGeneration]:
+        """Generate for all requests as one batch submission (the shard is the batch)."""
+
+    @abc.abstractmethod
+    def teacher_force(
+        self, sequences: list[tuple[list[int], list[int]]], k: int, progress: ProgressCallback
+    ) -> list[LogprobRows]:
+        """For each (prompt ids, completion ids), the logprob of every completion token given
+        everything before it, and the top-k at that position."""
+
+    def close(self) -> None:
+        """Release the engine."""
+
+    def render(self, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:
+        """Token ids of a prompt payload (``{"prompt": str}`` or ``{"messages": [...]}``)."""
+        return render_prompt(self.get_tokenizer(), payload, chat_template)
+
+
+def render_prompt(tokenizer: Any, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:
+    """Tokenize a text prompt the way vLLM does (special tokens added), or render a chat with
+    the model's template and then tokenize without adding special tokens again (the template
+    already holds them)."""
+    if "messages" in payload:
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ChatTemplateMissing(
+                "the model's tokenizer has no chat template, so 'messages' prompts cannot be "
+                "rendered; set the candidate's 'chat_template' to a Jinja file, or use 'prompt'"
+            )
+        text = tokenizer.apply_chat_template(
+            payload["messages"], chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(payload["prompt"]))
+
+
+def top_k_rows(logprobs: np.ndarray, token_ids: np.ndarray, k: int) -> LogprobRows:
+    """From full log-softmax rows [n, vocab] and the token at each row, the LogprobRows.
+
+    Ties are broken by lower token id first, as a stable sort would, so that two runs with
+    equal logits report the same top-k order.
+    """
+    logprobs = np.asarray(logprobs, dtype=np.float32)
+    n = logprobs.shape[0]
+    if n == 0:
+        return LogprobRows.empty(k)
+    order = np.argsort(-logprobs, axis=1, kind="stable")[:, :k]
+    top_lp = np.take_along_axis(logprobs, order, axis=1)
+    chosen = logprobs[np.arange(n), np.asarray(token_ids, dtype=np.int64)]
+    return LogprobRows(chosen.astype(np.float32), order.astype(np.int32), top_lp.astype(np.float32))

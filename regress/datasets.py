@@ -1,0 +1,187 @@
+"""Read and validate prompt sets.
+
+A prompt set is ``datasets/prompts/<name>.jsonl`` (one :class:`~regress.records.PromptRecord`
+per line) with an optional card ``<name>.yaml`` beside it holding a description and the
+dataset-level sampling defaults. Every problem is reported with file, line and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from regress.errors import DatasetError
+from regress.records import DatasetCard, DatasetRef, PromptRecord
+from regress.validation import all_errors
+
+MAX_REPORTED_PROBLEMS = 50
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A validated prompt set."""
+
+    name: str
+    path: Path
+    sha256: str
+    card: DatasetCard
+    prompts: list[PromptRecord]
+    card_path: Path | None = None
+    _by_id: dict[str, PromptRecord] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_id.update({p.id: p for p in self.prompts})
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def get(self, prompt_id: str) -> PromptRecord:
+        """The prompt with this id."""
+        return self._by_id[prompt_id]
+
+    def ref(self) -> DatasetRef:
+        """What a manifest records about this prompt set."""
+        return DatasetRef(name=self.name, path=str(self.path), sha256=self.sha256, prompts=len(self.prompts))
+
+
+def card_path_for(path: Path) -> Path:
+    """Where the card of a prompt set lives: same stem, ``.yaml``."""
+    return path.with_suffix(".yaml")
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        self.key = key
+        super().__init__(key)
+
+
+def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
+    if not path.exists():
+        return DatasetCard(), b"", []
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        return DatasetCard(), raw, [DatasetError(f"not valid UTF-8 ({exc.reason})", file=path)]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        return DatasetCard(), raw, [DatasetError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path, line=line)]
+    if not isinstance(data, dict):
+        return DatasetCard(), raw, [DatasetError("must be a mapping with 'description' and 'defaults'", file=path, line=1)]
+    try:
+        return DatasetCard.model_validate(data), raw, []
+    except ValidationError as exc:
+        lines = _yaml_key_lines(raw.decode("utf-8"))
+        problems = []
+        for where, message in all_errors(exc, DatasetCard):
+            problems.append(DatasetError(message, file=path, line=lines.get(where or ""), field=where))
+        return DatasetCard(), raw, problems
+
+
+def _yaml_key_lines(text: str) -> dict[str, int]:
+    """Dotted key path -> 1-based line, for error messages."""
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetError]]:
+    """Validate a prompt set. Returns the set (None if anything is wrong) and every problem found."""
+    path = Path(path)
+    if not path.is_file():
+        return None, [DatasetError("no such file", file=path)]
+    raw = path.read_bytes()
+    card_file = card_path_for(path)
+    card, card_raw, problems = _load_card(card_file)
+    prompts: list[PromptRecord] = []
+    first_line_of: dict[str, int] = {}
+    for number, line_bytes in enumerate(raw.split(b"\n"), start=1):
+        if len(problems) >= MAX_REPORTED_PROBLEMS:
+            break
+        if not line_bytes.strip():
+            continue
+        try:
+            line = line_bytes.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(
+                DatasetError(f"not valid UTF-8: byte 0x{line_bytes[exc.start]:02x} at column {exc.start + 1}",
+                             file=path, line=number)
+            )
+            continue
+        try:
+            data = json.loads(line, object_pairs_hook=_reject_duplicate_keys)
+        except _DuplicateKey as exc:
+            problems.append(DatasetError("key appears twice in the same object", file=path, line=number, field=exc.key))
+            continue
+        except json.JSONDecodeError as exc:
+            problems.append(DatasetError(f"invalid JSON: {exc.msg} (column {exc.colno})", file=path, line=number))
+            continue
+        if not isinstance(data, dict):
+            problems.append(DatasetError(f"each line must be a JSON object, got {type(data).__name__}", file=path, line=number))
+            continue
+        try:
+            record = PromptRecord.model_validate(data)
+        except ValidationError as exc:
+            for where, message in all_errors(exc, PromptRecord):
+                problems.append(DatasetError(message, file=path, line=number, field=where or "prompt|messages"))
+            continue
+        if record.id in first_line_of:
+            problems.append(
+                DatasetError(f"duplicate id '{record.id}' (first on line {first_line_of[record.id]})",
+                             file=path, line=number, field="id")
+            )
+            continue
+        first_line_of[record.id] = number
+        prompts.append(record)
+    if not prompts and not problems:
+        problems.append(DatasetError("the prompt set holds no prompts", file=path))
+    if problems:
+        return None, problems
+    digest = hashlib.sha256(raw)
+    digest.update(b"\0card\0" + card_raw)
+    prompt_set = PromptSet(
+        name=path.stem, path=path, sha256=digest.hexdigest(), card=card, prompts=prompts,
+        card_path=card_file if card_raw else None,
+    )
+    return prompt_set, []
+
+
+def load_prompt_set(path: str | Path) -> PromptSet:
+    """Load a prompt set or raise the first :class:`DatasetError` (noting how many more there are)."""
+    prompt_set, problems = check_prompt_set(path)
+    if problems:
+        first = problems[0]
+        if len(problems) > 1:
+            more = f" (and {len(problems) - 1} more problem(s); `regress validate {path}` lists them)"
+            raise DatasetError(first.message + more, file=first.file, line=first.line, field=first.field)
+        raise first
+    assert prompt_set is not None
+    return prompt_set
+

