@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from regress.errors import EXIT_INPUT, RegressError
+from regress.errors import EXIT_INPUT, EXIT_REGRESSION, RegressError
 from regress.progress import print_error, stderr_console
 
 app = typer.Typer(
@@ -156,6 +156,96 @@ def replay(
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
                               teacher_force=teacher_force, reporter=reporter)
     _summarise(manifest, out_dir)
+
+
+# --------------------------------------------------------------------------------------
+# score / check
+# --------------------------------------------------------------------------------------
+
+
+def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
+    m = report.metrics
+
+    def fmt(value, pattern="{:.3f}"):  # type: ignore[no-untyped-def]
+        return "n/a" if value is None else pattern.format(value)
+
+    _out(
+        f"{m.candidate}: {m.verdict.upper()}  {m.prompts} prompts: {m.identical} identical, {m.benign} benign, "
+        f"{m.drift} drift, {m.regression} regression, {m.input_drift} input drift\n"
+        f"  exact match {m.exact_match_rate:.0%}, teacher-forced KL {fmt(m.mean_teacher_forced_kl, '{:.4f}')}, "
+        f"same top-1 {fmt(m.same_top1_rate, '{:.1%}')}, semantic {fmt(m.mean_semantic_similarity)}\n"
+        f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
+        f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
+    )
+    for reason in report.verdict_reasons:
+        _out(f"  - {reason}")
+    worst = [s for s in report.scores if s.prompt_class == "regression"][:5]
+    for s in worst:
+        _out(f"  regression {s.prompt_id}: {'; '.join(s.reasons)}")
+
+
+def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_dir: Optional[Path],
+           out: Optional[Path]):  # type: ignore[no-untyped-def]
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.runs import load_run
+    from regress.scoring import score_runs, write_score_outputs
+    from regress.verdict import Thresholds
+
+    p = load_params(params_path)
+    spec = p.candidate(candidate)
+    thresholds = Thresholds.from_params(p.thresholds, file=str(p.path))
+    golden_run = load_run(golden_dir or p.golden_dir())
+    run = load_run(run_dir or p.run_dir(spec.name))
+    tags = {}
+    if p.dataset.exists():
+        tags = {pr.id: pr.tags for pr in load_prompt_set(p.dataset).prompts}
+    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
+        report = score_runs(golden_run, run, thresholds, tags=tags)
+    out_dir = out or p.reports_dir() / spec.name
+    write_score_outputs(report, out_dir)
+    return report, out_dir
+
+
+@app.command()
+def score(
+    candidate: str = typer.Argument(..., help="Candidate name from params.yaml."),
+    params: Path = ParamsOption,
+    golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory (default: runs/<candidate>)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where scores.json and metrics.json go (default: reports/<candidate>)."),
+) -> None:
+    """Score a replayed candidate against the golden: per-prompt metrics and classes, metrics.json."""
+    report, out_dir = _score(params, candidate, golden_dir, run_dir, out)
+    _print_scores(report)
+    _out(f"scores: {out_dir / 'scores.json'}  metrics: {out_dir / 'metrics.json'}")
+
+
+@app.command()
+def check(
+    candidate: str = typer.Argument(..., help="Candidate name from params.yaml."),
+    params: Path = ParamsOption,
+    golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+) -> None:
+    """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.progress import RichReporter
+    from regress.replay import replay as run_replay
+    from regress.runs import load_run
+
+    p = load_params(params)
+    spec = p.candidate(candidate)
+    prompt_set = load_prompt_set(p.dataset)
+    golden_run = load_run(golden_dir or p.golden_dir())
+    with RichReporter(f"replay '{spec.name}'") as reporter:
+        manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter)
+    _summarise(manifest, p.run_dir(spec.name))
+    report, out_dir = _score(params, candidate, golden_dir, None, None)
+    _print_scores(report)
+    _out(f"scores: {out_dir / 'scores.json'}  metrics: {out_dir / 'metrics.json'}")
+    if report.metrics.verdict == "fail":
+        raise typer.Exit(EXIT_REGRESSION)
 
 
 # --------------------------------------------------------------------------------------

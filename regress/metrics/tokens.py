@@ -1,0 +1,92 @@
+"""Token-level metrics: exact match, first divergence, the divergence point, free-run logprob drift."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from regress.metrics.base import Pair, Values, first_divergence, metric
+
+
+@metric(
+    "exact_tokens",
+    outputs={
+        "input_drift": "prompt token ids differ (tokenizer or chat template changed): outputs not comparable token by token",
+        "identical": "output token ids are exactly the golden's",
+        "first_divergence": "position of the first differing output token (None when identical)",
+        "golden_tokens": "number of golden output tokens",
+        "candidate_tokens": "number of candidate output tokens",
+    },
+)
+def exact_tokens() -> "callable":
+    def score(pair: Pair) -> Values:
+        g, c = pair.golden, pair.candidate
+        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        return {
+            "input_drift": not np.array_equal(g.prompt_token_ids, c.prompt_token_ids),
+            "identical": d is None,
+            "first_divergence": d,
+            "golden_tokens": int(len(g.output_token_ids)),
+            "candidate_tokens": int(len(c.output_token_ids)),
+        }
+
+    return score
+
+
+@metric(
+    "divergence_point",
+    outputs={
+        "golden_margin": "golden top-1 minus top-2 logprob at the first divergence (nat); small = near-tie",
+        "candidate_margin": "candidate top-1 minus top-2 logprob at the first divergence (nat)",
+        "golden_token_in_candidate_topk": "the golden's token is in the candidate's top-k there (vLLM's check)",
+        "candidate_token_in_golden_topk": "the candidate's token is in the golden's top-k there (vLLM's check)",
+    },
+)
+def divergence_point() -> "callable":
+    """At the first divergence both sides saw the same context, so this is where the two models
+    disagree on equal terms. vLLM's own HF-vs-vLLM test accepts a divergence when each side's
+    token is in the other's top-k; the golden's margin says how close the call was."""
+
+    def score(pair: Pair) -> Values:
+        g, c = pair.golden, pair.candidate
+        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        empty: Values = {"golden_margin": None, "candidate_margin": None,
+                         "golden_token_in_candidate_topk": None, "candidate_token_in_golden_topk": None}
+        if d is None or d >= len(g.output_token_ids) or d >= len(c.output_token_ids):
+            return empty
+        gt, ct = g.free_run, c.free_run
+        return {
+            "golden_margin": _margin(gt.top_logprobs[d]),
+            "candidate_margin": _margin(ct.top_logprobs[d]),
+            "golden_token_in_candidate_topk": bool(g.output_token_ids[d] in ct.top_ids[d]),
+            "candidate_token_in_golden_topk": bool(c.output_token_ids[d] in gt.top_ids[d]),
+        }
+
+    return score
+
+
+def _margin(row: np.ndarray) -> float | None:
+    if len(row) < 2 or not np.isfinite(row[1]):
+        return None
+    return float(row[0] - row[1])
+
+
+@metric(
+    "prefix_logprobs",
+    outputs={
+        "prefix_max_abs_delta": "largest |logprob difference| of the chosen tokens before the first divergence",
+        "prefix_mean_abs_delta": "mean |logprob difference| of the chosen tokens before the first divergence",
+    },
+)
+def prefix_logprobs() -> "callable":
+    """Free-running logprob drift where both outputs still agree (the shared prefix)."""
+
+    def score(pair: Pair) -> Values:
+        g, c = pair.golden, pair.candidate
+        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        n = len(g.output_token_ids) if d is None else d
+        if n == 0:
+            return {"prefix_max_abs_delta": None, "prefix_mean_abs_delta": None}
+        delta = np.abs(g.free_run.token_logprobs[:n].astype(np.float64) - c.free_run.token_logprobs[:n])
+        return {"prefix_max_abs_delta": float(delta.max()), "prefix_mean_abs_delta": float(delta.mean())}
+
+    return score

@@ -1,0 +1,136 @@
+"""Score a candidate run against its golden: metrics per prompt, classes, aggregates, verdict.
+
+Reads two complete runs, writes nothing: :func:`score_runs` returns a
+:class:`~regress.records.ScoreReport`; :func:`write_score_outputs` stores it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from regress.errors import ConfigError
+from regress.metrics import DEFAULT_METRICS, get_metric
+from regress.metrics.base import Pair
+from regress.records import PromptScore, RunMetrics, ScoreReport
+from regress.runs import RunResult
+from regress.storage import atomic_write_text
+from regress.verdict import Thresholds, classify, run_verdict
+
+SCORES_FILE = "scores.json"
+METRICS_FILE = "metrics.json"
+
+ProgressFn = Callable[[int], None]
+
+
+def build_metrics(t: Thresholds, *, encoder: Any = None) -> list[tuple[Any, Any]]:
+    """(MetricInfo, configured function) for every metric in force."""
+    built = []
+    for name in t.metrics or DEFAULT_METRICS:
+        info = get_metric(name)
+        if name == "semantic":
+            fn = info.factory(model=t.semantic_model, encoder=encoder)
+        else:
+            fn = info.factory()
+        built.append((info, fn))
+    return built
+
+
+def _mean(values: list[float]) -> float | None:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def score_runs(
+    golden: RunResult,
+    run: RunResult,
+    thresholds: Thresholds | None = None,
+    *,
+    tags: dict[str, list[str]] | None = None,
+    metrics: list[tuple[Any, Any]] | None = None,
+    progress: ProgressFn | None = None,
+) -> ScoreReport:
+    """Score every prompt of ``run`` against ``golden``."""
+    t = thresholds or Thresholds()
+    missing = [pid for pid in run.prompt_ids if pid not in golden]
+    if missing:
+        raise ConfigError(f"{len(missing)} prompt(s) of {run.path} are not in the golden {golden.path} "
+                          f"(first: {missing[0]}); was the run made against another golden?")
+    if run.manifest.golden is not None and run.manifest.golden.run_id != golden.manifest.run_id:
+        raise ConfigError(f"{run.path} was replayed against golden {run.manifest.golden.run_id}, "
+                          f"not {golden.manifest.run_id} ({golden.path}); replay it again")
+    metrics = metrics if metrics is not None else build_metrics(t)
+    pairs = [Pair(golden[pid], run[i]) for i, pid in enumerate(run.prompt_ids)]
+    values: list[dict[str, Any]] = [{} for _ in pairs]
+    for info, fn in metrics:
+        if info.batched:
+            for row, out in zip(values, fn(pairs)):
+                row.update(out)
+        else:
+            for row, pair in zip(values, pairs):
+                row.update(fn(pair))
+        if progress:
+            progress(1)
+    tags = tags or {}
+    scores = []
+    counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
+    for pair, row in zip(pairs, values):
+        klass, reasons = classify(row, t)
+        counts[klass] += 1
+        scores.append(PromptScore(prompt_id=pair.prompt_id, tags=tags.get(pair.prompt_id, []),
+                                  prompt_class=klass, reasons=reasons, metrics=row))
+    verdict, verdict_reasons = run_verdict(counts, t)
+
+    positions = sum(int(r.get("tf_positions") or 0) for r in values)
+    same_positions = sum((r.get("tf_same_top1_rate") or 0.0) * int(r.get("tf_positions") or 0) for r in values)
+    diverged = [r["first_divergence"] for r in values if r.get("first_divergence") is not None]
+    gm, rm = golden.manifest, run.manifest
+    n = len(scores)
+    aggregates = RunMetrics(
+        candidate=rm.candidate.name,
+        prompts=n,
+        **counts,
+        exact_match_rate=counts["identical"] / n if n else 0.0,
+        mean_teacher_forced_kl=_mean([r.get("tf_kl_mean") for r in values]),
+        same_top1_rate=same_positions / positions if positions else None,
+        mean_semantic_similarity=_mean([r.get("semantic_similarity") for r in values]),
+        mean_first_divergence=_mean([float(d) for d in diverged]),
+        verdict=verdict,
+        tokens_per_s=rm.timings.tokens_per_s,
+        golden_tokens_per_s=gm.timings.tokens_per_s,
+        tokens_per_s_ratio=(rm.timings.tokens_per_s / gm.timings.tokens_per_s) if gm.timings.tokens_per_s else None,
+        engine_load_s=rm.timings.engine_load_s,
+        golden_engine_load_s=gm.timings.engine_load_s,
+        peak_memory_mib=rm.memory.peak_rss_mib,
+        golden_peak_memory_mib=gm.memory.peak_rss_mib,
+    )
+    descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
+    return ScoreReport(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
+                       metrics=aggregates, verdict_reasons=verdict_reasons, scores=scores)
+
+
+def write_score_outputs(report: ScoreReport, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``scores.json`` (everything) and ``metrics.json`` (aggregates, DVC metrics) atomically."""
+    out_dir = Path(out_dir)
+    scores_path, metrics_path = out_dir / SCORES_FILE, out_dir / METRICS_FILE
+    atomic_write_text(scores_path, report.model_dump_json(indent=1))
+    atomic_write_text(metrics_path, report.metrics.model_dump_json(indent=2))
+    return scores_path, metrics_path
+
+
+def read_score_report(path: str | Path) -> ScoreReport:
+    """Read a ``scores.json`` back."""
+    from pydantic import ValidationError
+
+    from regress.errors import StorageError
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / SCORES_FILE
+    try:
+        return ScoreReport.model_validate_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise StorageError(f"{path}: no such file (run `regress score` first)") from exc
+    except ValidationError as exc:
+        raise StorageError(f"{path}: not a regress scores file: {exc.errors()[0]['msg']}") from exc
