@@ -55,8 +55,11 @@ class EngineProcess:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self) -> dict[str, Any]:
-        """Start the process and load the engine. Returns the engine's facts for the manifest."""
+    def start(self, vocab_out: Path | None = None) -> dict[str, Any]:
+        """Start the process and load the engine. Returns the engine's facts for the manifest.
+
+        With ``vocab_out``, the engine also writes every token id's text there (for reports).
+        """
         # The candidate environment holds vLLM, not regress: expose only the regress package
         # directory to it, through a private directory on PYTHONPATH.
         self._shim = tempfile.TemporaryDirectory(prefix="regress-shim-")
@@ -77,7 +80,10 @@ class EngineProcess:
             raise EngineError(f"cannot start {self.python}: {exc}", candidate=self.candidate.name) from exc
         finally:
             log.close()
-        reply = self.request({"op": "load", "spec": _absolute_paths(self.candidate.engine_spec())},
+        load = {"op": "load", "spec": _absolute_paths(self.candidate.engine_spec())}
+        if vocab_out is not None:
+            load["vocab_out"] = str(Path(vocab_out).resolve())
+        reply = self.request(load,
                              timeout_s=self.load_timeout_s,
                              what="engine start")
         self.info = reply["info"]

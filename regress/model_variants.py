@@ -1,0 +1,54 @@
+"""Deliberately damaged copies of a model: candidates whose outcome is known in advance.
+
+A regression checker must be shown to catch real damage, not only to stay quiet on noise.
+``perturb_layer`` adds Gaussian noise to every weight of one decoder layer, scaled by each
+tensor's own standard deviation, deterministically (fixed seed). Quantized variants are made
+with llm-compressor in its own environment (:mod:`regress.quantize`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from regress.errors import ConfigError, MissingDependencyError
+
+
+def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: float = 0.5, seed: int = 0) -> dict:
+    """Copy the model at ``src`` to ``dst`` with layer ``layer``'s weights perturbed.
+
+    Every tensor named ``model.layers.<layer>.*`` gets ``N(0, 1) * scale * std(tensor)`` added.
+    Returns what was changed (tensor names and the noise scale), also written to
+    ``dst/perturbation.json``.
+    """
+    try:
+        import numpy as np
+        from safetensors.numpy import load_file, save_file
+    except ImportError as exc:
+        raise MissingDependencyError("perturbing a model needs safetensors (pip install safetensors)") from exc
+    src, dst = Path(src), Path(dst)
+    weights_file = src / "model.safetensors"
+    if not weights_file.is_file():
+        raise ConfigError(f"{weights_file}: no such file (a single-file safetensors model is expected)")
+    tensors = load_file(str(weights_file))
+    prefix = f"model.layers.{layer}."
+    names = sorted(n for n in tensors if n.startswith(prefix))
+    if not names:
+        raise ConfigError(f"the model has no layer {layer} (no tensor starts with '{prefix}')", field="layer")
+    rng = np.random.default_rng(seed)
+    for name in names:
+        t = tensors[name]
+        noise = rng.standard_normal(t.shape).astype(np.float64) * scale * float(t.std())
+        tensors[name] = (t.astype(np.float64) + noise).astype(t.dtype)
+    partial = dst.with_name(dst.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"))
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    info = {"source": str(src), "layer": layer, "scale": scale, "seed": seed, "tensors": names}
+    (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    if dst.exists():
+        shutil.rmtree(dst)
+    partial.rename(dst)
+    return info

@@ -1,0 +1,76 @@
+"""Quantized candidates made the way production users make them: llm-compressor, in its own
+environment (it pins other transformers and compressed-tensors versions than vLLM does).
+
+``quantize_model`` creates (or reuses) that environment, runs :mod:`regress.quantize_entry`
+there, and writes a compressed-tensors checkpoint that vLLM loads with
+``quantization: compressed-tensors``. The output appears atomically (built beside, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import regress
+from regress.envs import EnvSpec, ensure_env
+from regress.errors import ConfigError, RunError
+
+# On machines where pip finds the CPU build of torch for this version (a local wheel directory
+# or PyTorch's CPU index), the pin keeps the environment at ~1.5 GB instead of a CUDA torch.
+DEFAULT_QUANTIZER = EnvSpec("llmcompressor==0.14.0.1", ("torch==2.13.0",))
+SCHEMES = ("W8A8", "W4A16", "W8A16", "FP8_DYNAMIC")
+
+
+def calibration_texts(limit: int = 64) -> list[str]:
+    """Calibration texts: paragraphs of the fixture corpus shipped with regress."""
+    corpus = Path(regress.__file__).parent / "data" / "fixture_corpus"
+    texts: list[str] = []
+    for path in sorted(corpus.glob("*.txt")):
+        texts += [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if len(p.strip()) > 40]
+    return texts[:limit]
+
+
+def quantize_model(
+    model: str | Path,
+    out: str | Path,
+    *,
+    scheme: str,
+    quantizer: EnvSpec = DEFAULT_QUANTIZER,
+    on_line: Callable[[str], None] | None = None,
+) -> Path:
+    """Quantize ``model`` into ``out`` with llm-compressor's ``scheme``; returns ``out``."""
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown scheme {scheme!r}; supported: {', '.join(SCHEMES)}", field="scheme")
+    model, out = Path(model).resolve(), Path(out)
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model}: not a model directory (no config.json)", field="model")
+    env, _ = ensure_env(quantizer, candidate=f"quantizer {quantizer.describe()}", on_line=on_line)
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    with tempfile.TemporaryDirectory(prefix="regress-quantize-") as tmp:
+        shim = Path(tmp) / "shim"
+        shim.mkdir()
+        os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
+        calibration = Path(tmp) / "calibration.json"
+        calibration.write_text(json.dumps(calibration_texts()), encoding="utf-8")
+        env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out", str(partial.resolve()),
+               "--scheme", scheme, "--calibration", str(calibration)]
+        result = subprocess.run(cmd, cwd=tmp, env=env_vars, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RunError(f"quantizing {model} with {scheme} failed (exit {result.returncode}):\n{tail}")
+    (partial / "quantization.json").write_text(
+        json.dumps({"source": str(model), "scheme": scheme, "quantizer": quantizer.describe()}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
