@@ -186,8 +186,10 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
 
 def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_dir: Optional[Path],
            out: Optional[Path]):  # type: ignore[no-untyped-def]
+    """Score a candidate and write scores.json, metrics.json and the report pages."""
     from regress.config import load_params
     from regress.datasets import load_prompt_set
+    from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
     from regress.scoring import score_runs, write_score_outputs
     from regress.verdict import Thresholds
@@ -197,14 +199,19 @@ def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_di
     thresholds = Thresholds.from_params(p.thresholds, file=str(p.path))
     golden_run = load_run(golden_dir or p.golden_dir())
     run = load_run(run_dir or p.run_dir(spec.name))
-    tags = {}
-    if p.dataset.exists():
-        tags = {pr.id: pr.tags for pr in load_prompt_set(p.dataset).prompts}
+    prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
+    tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
     with stderr_console.status(f"scoring '{spec.name}' against the golden"):
         report = score_runs(golden_run, run, thresholds, tags=tags)
     out_dir = out or p.reports_dir() / spec.name
     write_score_outputs(report, out_dir)
-    return report, out_dir
+    with stderr_console.status("writing the report"):
+        # A report written elsewhere (--out) has no reports/index.html to link back to.
+        page = write_candidate_report(report, golden_run, run, prompt_set, out_dir,
+                                      index_link=None if out else "../index.html")
+        if out is None:
+            refresh_index(p.reports_dir())
+    return report, out_dir, page
 
 
 @app.command()
@@ -215,10 +222,10 @@ def score(
     run_dir: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory (default: runs/<candidate>)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where scores.json and metrics.json go (default: reports/<candidate>)."),
 ) -> None:
-    """Score a replayed candidate against the golden: per-prompt metrics and classes, metrics.json."""
-    report, out_dir = _score(params, candidate, golden_dir, run_dir, out)
+    """Score a replayed candidate against the golden: classes, metrics.json, JUnit, summary and HTML report."""
+    report, out_dir, page = _score(params, candidate, golden_dir, run_dir, out)
     _print_scores(report)
-    _out(f"scores: {out_dir / 'scores.json'}  metrics: {out_dir / 'metrics.json'}")
+    _out(f"report: {page}")
 
 
 @app.command()
@@ -241,11 +248,35 @@ def check(
     with RichReporter(f"replay '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter)
     _summarise(manifest, p.run_dir(spec.name))
-    report, out_dir = _score(params, candidate, golden_dir, None, None)
+    report, out_dir, page = _score(params, candidate, golden_dir, None, None)
     _print_scores(report)
-    _out(f"scores: {out_dir / 'scores.json'}  metrics: {out_dir / 'metrics.json'}")
+    _out(f"report: {page}")
     if report.metrics.verdict == "fail":
         raise typer.Exit(EXIT_REGRESSION)
+
+
+@app.command()
+def report(
+    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to re-render (default: every scored one)."),
+    params: Path = ParamsOption,
+) -> None:
+    """Re-render report pages from stored scores and runs (no replay, no scoring)."""
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.report import refresh_index, write_candidate_report
+    from regress.runs import load_run
+    from regress.scoring import SCORES_FILE, read_score_report
+
+    p = load_params(params)
+    reports_dir = p.reports_dir()
+    names = candidates or sorted(d.parent.name for d in reports_dir.glob(f"*/{SCORES_FILE}"))
+    prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
+    golden_run = load_run(p.golden_dir())
+    for name in names:
+        scores = read_score_report(reports_dir / name)
+        page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
+        _out(f"report: {page}")
+    _out(f"index: {refresh_index(reports_dir)}")
 
 
 # --------------------------------------------------------------------------------------

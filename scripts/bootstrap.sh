@@ -30,5 +30,16 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# System packages some tests need (Debian): ensure_apt COMMAND PACKAGE...
+ensure_apt() {
+  local cmd="$1"; shift
+  command -v "$cmd" >/dev/null 2>&1 && return 0
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  log "installing $* (apt-get)"
+  $sudo apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+
 export PATH="$VENV/bin:$PATH"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"

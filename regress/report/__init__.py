@@ -1,0 +1,76 @@
+"""The regression report: decide a rollout from one page.
+
+::
+
+    reports/index.html                 every candidate checked: verdict, counts, link
+    reports/<candidate>/index.html     the candidate's page (self-contained, opens from disk)
+    reports/<candidate>/metrics.json   aggregates (RunMetrics; schema in metrics.schema.json)
+    reports/<candidate>/junit.xml      a test case per prompt, a failure per regression
+    reports/<candidate>/summary.md     Markdown for a CI job summary or a PR comment
+
+Every file is written atomically. See docs/report.md for what each part of the page shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from regress.records import ScoreReport
+from regress.runs import RunResult
+from regress.storage import atomic_write_text
+
+INDEX_FILE = "index.html"
+METRICS_FILE = "metrics.json"
+JUNIT_FILE = "junit.xml"
+SUMMARY_FILE = "summary.md"
+METRICS_SCHEMA = Path(__file__).parent / "metrics.schema.json"
+"""JSON Schema of ``metrics.json`` (generated from RunMetrics; a test keeps it current)."""
+
+
+def write_candidate_report(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any,
+                           out_dir: str | Path, *, index_link: str | None = "../index.html",
+                           report_link: str | None = None) -> Path:
+    """Write a candidate's ``index.html``, ``metrics.json``, ``junit.xml`` and ``summary.md``.
+
+    ``prompt_set`` (a :class:`regress.datasets.PromptSet`, or None) supplies the prompt texts
+    shown in the details. ``index_link`` is the page's link back to the list of candidates
+    (None: no link); ``report_link`` is mentioned at the end of ``summary.md``.
+    Returns the path of ``index.html``.
+    """
+    from regress.report.junit import junit_xml
+    from regress.report.render import render_candidate
+    from regress.report.summary import summary_markdown
+
+    out = Path(out_dir)
+    page = out / INDEX_FILE
+    atomic_write_text(out / METRICS_FILE, score.metrics.model_dump_json(indent=2))
+    atomic_write_text(out / JUNIT_FILE, junit_xml(score))
+    atomic_write_text(out / SUMMARY_FILE, summary_markdown(score, report_link))
+    atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link))
+    return page
+
+
+def write_index(reports: list[tuple[ScoreReport, str]], out_dir: str | Path) -> Path:
+    """Write ``index.html`` listing every candidate: (score report, relative link to its page).
+
+    Links must be relative paths (``f32/index.html``); anything with a scheme is refused.
+    """
+    from regress.report.render import render_index
+
+    page = Path(out_dir) / INDEX_FILE
+    atomic_write_text(page, render_index(reports))
+    return page
+
+
+def refresh_index(reports_dir: str | Path) -> Path:
+    """Rewrite ``<reports_dir>/index.html`` from every ``<reports_dir>/*/scores.json`` (by candidate name)."""
+    from regress.scoring import SCORES_FILE, read_score_report
+
+    reports_dir = Path(reports_dir)
+    found = sorted(p.parent for p in reports_dir.glob(f"*/{SCORES_FILE}"))
+    return write_index([(read_score_report(d / SCORES_FILE), f"{d.name}/{INDEX_FILE}") for d in found], reports_dir)
+
+
+__all__ = ["write_candidate_report", "write_index", "refresh_index", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
+           "JUNIT_FILE", "SUMMARY_FILE"]

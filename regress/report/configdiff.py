@@ -1,0 +1,85 @@
+"""The configuration of the baseline and the candidate, side by side, and what differs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from regress.records import RunManifest
+
+VALUE_CAP = 300
+"""Characters of one shown value."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of the two runs."""
+
+    section: str
+    name: str
+    baseline: str
+    candidate: str
+
+    @property
+    def changed(self) -> bool:
+        return self.baseline != self.candidate
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    return text if len(text) <= VALUE_CAP else text[:VALUE_CAP] + "…"
+
+
+def _flatten(m: RunManifest) -> dict[tuple[str, str], Any]:
+    c, v, mo, h = m.candidate, m.versions, m.model, m.hardware
+    flat: dict[tuple[str, str], Any] = {
+        ("engine", "package"): c.package,
+        ("engine", "installed package"): v.engine_package,
+        ("engine", "backend"): c.backend,
+        ("engine", "vllm"): v.vllm,
+        ("engine", "torch"): v.torch,
+        ("engine", "transformers"): v.transformers,
+        ("engine", "python"): v.python,
+        ("engine", "extra requirements"): c.requirements or None,
+        ("engine", "environment"): m.environment,
+        ("model", "model"): mo.model,
+        ("model", "revision"): mo.revision,
+        ("model", "files sha256"): mo.files_sha256,
+        ("model", "dtype requested"): c.dtype,
+        ("model", "dtype used"): mo.dtype,
+        ("model", "quantization requested"): c.quantization,
+        ("model", "quantization used"): mo.quantization,
+        ("model", "tokenizer"): c.tokenizer,
+        ("model", "chat template"): c.chat_template,
+        ("run", "shard size"): m.layout.shard_size,
+        ("run", "prompt set"): f"{m.dataset.name} ({m.dataset.prompts} prompts, sha256 {m.dataset.sha256[:12]})",
+        ("run", "regress"): v.regress + (f" ({v.regress_git_commit})" if v.regress_git_commit else ""),
+        ("hardware", "cpu"): h.cpu_model,
+        ("hardware", "cpus"): h.cpu_count,
+        ("hardware", "memory GiB"): h.memory_gib,
+        ("hardware", "gpus"): ", ".join(h.gpus) if h.gpus else None,
+        ("hardware", "platform"): h.platform,
+    }
+    for key, value in sorted(c.sampling.set_fields().items()):
+        flat[("sampling", key)] = value
+    for key, value in sorted(m.engine_args.items()):
+        flat[("engine arguments", key)] = value
+    for key, value in sorted(m.env_vars.items()):
+        flat[("environment variables", key)] = value
+    return flat
+
+
+def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
+    """Every setting of either run, in section order; unset on one side shows as '—'."""
+    a, b = _flatten(baseline), _flatten(candidate)
+    keys = list(a) + [k for k in b if k not in a]
+    sections = list(dict.fromkeys(k[0] for k in keys))
+    keys.sort(key=lambda k: sections.index(k[0]))
+    rows = [Setting(sec, name, _text(a.get((sec, name))), _text(b.get((sec, name)))) for sec, name in keys]
+    return [r for r in rows if not (r.baseline == "—" and r.candidate == "—")]

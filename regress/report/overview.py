@@ -1,0 +1,141 @@
+"""The page's headline: verdict, counts, aggregate measures, performance, worst prompts.
+
+Plain values for the templates (HTML and Markdown alike); formatting of numbers lives here so
+every output says the same thing the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from regress.records import RunMetrics, ScoreReport
+from regress.report.payload import CLASS_ORDER, ranked
+
+CLASS_LABELS = {"regression": "regression", "drift": "drift", "input_drift": "input drift",
+                "benign": "benign", "identical": "identical"}
+CLASS_HELP = {
+    "regression": "beyond a regression threshold",
+    "drift": "beyond noise, within tolerance",
+    "input_drift": "input tokens changed: not comparable",
+    "benign": "diverged at a near-tie, stayed close (numerical noise)",
+    "identical": "exactly the golden's tokens",
+}
+WORST_SHOWN = 8
+"""Prompts listed under 'worst prompts' at the top of the page."""
+SAME_WITHIN = 0.05
+"""Performance changes within 5 % are shown as unchanged."""
+
+
+def fmt(value: Any, kind: str = "num") -> str:
+    """A number for people: '—' when missing."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if kind == "pct":
+        return f"{value:.1%}" if value < 0.999 or value == 1 else f"{value:.2%}"
+    if kind == "kl":
+        return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "ratio":
+        return f"{value:.2f}×"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+@dataclass(frozen=True)
+class Count:
+    klass: str
+    label: str
+    count: int
+    share: float
+    help: str
+
+
+@dataclass(frozen=True)
+class Measure:
+    label: str
+    value: str
+    help: str
+
+
+@dataclass(frozen=True)
+class PerfRow:
+    label: str
+    golden: str
+    candidate: str
+    change: str
+    direction: str
+    """'better', 'worse' or 'same'."""
+
+
+@dataclass(frozen=True)
+class Worst:
+    prompt_id: str
+    klass: str
+    label: str
+    severity: str
+    reason: str
+    divergence: str
+    tags: str
+
+
+def counts(m: RunMetrics) -> list[Count]:
+    n = max(m.prompts, 1)
+    return [Count(k, CLASS_LABELS[k], getattr(m, k), getattr(m, k) / n, CLASS_HELP[k]) for k in CLASS_ORDER]
+
+
+def measures(m: RunMetrics) -> list[Measure]:
+    return [
+        Measure("exact match", fmt(m.exact_match_rate, "pct"), "prompts with exactly the golden's tokens"),
+        Measure("teacher-forced KL", fmt(m.mean_teacher_forced_kl, "kl"),
+                "mean per-position KL(golden || candidate) on the golden's completion, nat"),
+        Measure("same top-1", fmt(m.same_top1_rate, "pct"), "teacher-forced positions where both pick the same token"),
+        Measure("semantic similarity", fmt(m.mean_semantic_similarity), "mean cosine similarity of the outputs"),
+        Measure("first divergence", fmt(m.mean_first_divergence), "mean token position of the first difference"),
+    ]
+
+
+def _perf(label: str, golden: float | None, cand: float | None, unit: str, higher_is_better: bool) -> PerfRow:
+    def show(v: float | None) -> str:
+        return "—" if v is None else f"{fmt(v)} {unit}"
+
+    if golden is None or cand is None or golden == 0:
+        return PerfRow(label, show(golden), show(cand), "—", "same")
+    ratio = cand / golden
+    change = f"{ratio - 1:+.0%}"
+    if abs(ratio - 1) <= SAME_WITHIN:
+        direction = "same"
+    else:
+        direction = "better" if (ratio > 1) == higher_is_better else "worse"
+    return PerfRow(label, show(golden), show(cand), change, direction)
+
+
+def performance(score: ScoreReport) -> list[PerfRow]:
+    m, gt, rt = score.metrics, score.golden.timings, score.run.timings
+    rows = [
+        _perf("throughput", m.golden_tokens_per_s, m.tokens_per_s, "tokens/s", True),
+        _perf("engine load", m.golden_engine_load_s, m.engine_load_s, "s", False),
+        _perf("peak memory", m.golden_peak_memory_mib, m.peak_memory_mib, "MiB", False),
+        _perf("generation time", gt.generation_s, rt.generation_s, "s", False),
+    ]
+    if score.golden.memory.peak_gpu_mib is not None or score.run.memory.peak_gpu_mib is not None:
+        rows.append(_perf("peak GPU memory", score.golden.memory.peak_gpu_mib, score.run.memory.peak_gpu_mib, "MiB", False))
+    return rows
+
+
+def worst(score: ScoreReport, limit: int = WORST_SHOWN) -> list[Worst]:
+    """Regressions, then drift, then input drift, most severe first."""
+    out = []
+    for s, sev in ranked(score):
+        if s.prompt_class not in ("regression", "drift", "input_drift") or len(out) >= limit:
+            break
+        d = s.metrics.get("first_divergence")
+        out.append(Worst(s.prompt_id, s.prompt_class, CLASS_LABELS[s.prompt_class], f"{sev:.2f}",
+                         s.reasons[0] if s.reasons else "", "—" if d is None else str(d), ", ".join(s.tags)))
+    return out

@@ -1,0 +1,293 @@
+"""The compact per-prompt data the report page ships as JSON and renders on demand.
+
+One entry per prompt, in severity order (``rank`` 0 = worst). Texts are capped so that 10,000
+prompts stay a page a browser opens: the shared part of the two outputs is sent once, then each
+side's rest after the point where their texts part; only a window of tokens around the first
+divergence and the top-k there are sent, never whole logprob tracks. See docs/report.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from regress.records import PromptScore, ScoreReport
+from regress.runs import RunResult
+from regress.verdict import Thresholds
+
+CLASS_ORDER = ("regression", "drift", "input_drift", "benign", "identical")
+"""Classes from worst to most harmless: the report's default order."""
+
+TEXT_BUDGET_CHARS = 14_000_000
+"""Characters of prompt and output text per page, shared among prompts: each prompt keeps up to
+2.5 caps (the prompt 1, the shared output text 0.5, each side's rest 0.5)."""
+TEXT_CAP_MIN, TEXT_CAP_MAX = 400, 4000
+"""Bounds of the per-text cap (a page with few prompts shows up to 4,000 characters a text)."""
+TOKEN_TEXT_CAP = 40
+"""Characters of one token's text."""
+WINDOW_BEFORE, WINDOW_AFTER = 8, 24
+"""Tokens shown before the first divergence (shared) and from it on (each side)."""
+MAX_MESSAGES = 20
+"""Chat messages shown per prompt (the last ones)."""
+
+KEY_METRICS = ("first_divergence", "golden_margin", "tf_kl_mean", "tf_same_top1_rate",
+               "semantic_similarity", "edit_distance")
+"""Metrics shown as table columns (all metrics are in the detail view)."""
+
+
+def text_cap(prompts: int) -> int:
+    """Characters kept of each text for a page of ``prompts`` prompts."""
+    per_text = TEXT_BUDGET_CHARS * 2 // 5 // max(prompts, 1)
+    return max(TEXT_CAP_MIN, min(TEXT_CAP_MAX, per_text))
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over C-level slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _round(value: Any) -> Any:
+    """JSON-ready metric value: floats to 4 significant digits, non-finite as None."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return float(f"{value:.4g}")
+    return None
+
+
+def severity(values: dict[str, Any], t: Thresholds) -> float:
+    """How far past its regression thresholds a prompt is: 1.0 = at a threshold, 0 = nothing.
+
+    The largest of the ratios KL / regression_kl, (1 - same top-1) / (1 - regression_same_top1),
+    (1 - semantic) / (1 - regression_semantic), golden margin / confident_margin,
+    flipped margin / confident_margin (and 1 for a failed top-k agreement check).
+    """
+
+    def num(name: str) -> float | None:
+        v = values.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        return float(v)
+
+    ratios = [0.0]
+    kl = num("tf_kl_mean")
+    if kl is not None and t.regression_kl > 0:
+        ratios.append(kl / t.regression_kl)
+    same = num("tf_same_top1_rate")
+    if same is not None and t.regression_same_top1 < 1:
+        ratios.append((1 - same) / (1 - t.regression_same_top1))
+    sem = num("semantic_similarity")
+    if sem is not None and t.regression_semantic < 1:
+        ratios.append((1 - sem) / (1 - t.regression_semantic))
+    if t.confident_margin > 0:
+        for name in ("golden_margin", "tf_max_flipped_margin"):
+            m = num(name)
+            if m is not None:
+                ratios.append(m / t.confident_margin)
+    if t.require_topk_agreement and (values.get("golden_token_in_candidate_topk") is False
+                                     or values.get("candidate_token_in_golden_topk") is False):
+        ratios.append(1.0)
+    return max(ratios)
+
+
+def thresholds_of(score: ScoreReport) -> Thresholds:
+    """The thresholds a report was scored with (defaults for anything missing or unreadable)."""
+    try:
+        return Thresholds.model_validate(score.thresholds)
+    except Exception:  # noqa: BLE001 - a report from another version still renders
+        known = {k: v for k, v in score.thresholds.items() if k in Thresholds.model_fields}
+        try:
+            return Thresholds.model_validate(known)
+        except Exception:  # noqa: BLE001
+            return Thresholds()
+
+
+def ranked(score: ScoreReport) -> list[tuple[PromptScore, float]]:
+    """Scores from worst to most harmless: class order, then severity, then prompt order."""
+    t = thresholds_of(score)
+    order = {k: i for i, k in enumerate(CLASS_ORDER)}
+    rows = [(s, severity(s.metrics, t), i) for i, s in enumerate(score.scores)]
+    rows.sort(key=lambda r: (order.get(r[0].prompt_class, len(order)), -r[1], r[2]))
+    return [(s, sev) for s, sev, _ in rows]
+
+
+def metric_names(score: ScoreReport) -> list[str]:
+    """Every metric output present, documented ones first in their documented order."""
+    names = list(score.metric_descriptions)
+    seen = set(names)
+    for s in score.scores:
+        for name in s.metrics:
+            if name not in seen:
+                seen.add(name)
+                names.append(name)
+    return names
+
+
+def _cap_end(text: str, cap: int) -> tuple[str, int]:
+    """Keep the first ``cap`` characters; return them and how many were dropped."""
+    return (text, 0) if len(text) <= cap else (text[:cap], len(text) - cap)
+
+
+def _cap_start(text: str, cap: int) -> tuple[str, int]:
+    """Keep the last ``cap`` characters; return them and how many were dropped."""
+    return (text, 0) if len(text) <= cap else (text[len(text) - cap:], len(text) - cap)
+
+
+def _texts(golden: str, candidate: str, cap: int) -> dict[str, Any]:
+    """Shared part once, then each side's rest, each capped."""
+    cp = common_prefix_len(golden, candidate)
+    out: dict[str, Any] = {}
+    if cp == len(golden) == len(candidate):
+        out["s"], dropped = _cap_end(golden, cap)
+        if dropped:
+            out["s1"] = dropped
+        return out
+    half = max(cap // 2, 1)
+    out["s"], dropped = _cap_start(golden[:cp], half)
+    if dropped:
+        out["s0"] = dropped
+    for key, rest in (("g", golden[cp:]), ("c", candidate[cp:])):
+        out[key], dropped = _cap_end(rest, half)
+        if dropped:
+            out[key + "1"] = dropped
+    return out
+
+
+class _Vocab:
+    def __init__(self, run: RunResult):
+        self.texts = run.token_texts()
+
+    def __call__(self, token_id: int) -> str:
+        t = self.texts[token_id] if 0 <= token_id < len(self.texts) else f"<{token_id}>"
+        return t if len(t) <= TOKEN_TEXT_CAP else t[:TOKEN_TEXT_CAP] + "…"
+
+
+class _Tracks:
+    """Direct access to a run's output tokens and free-run top-k (no per-prompt objects)."""
+
+    def __init__(self, run: RunResult):
+        a = run.arrays
+        self.run = run
+        self.offsets = a.get("output_offsets")
+        self.tokens = a.get("output_tokens")
+        self.top_ids = a.get("out_top_ids")
+        self.top_lp = a.get("out_top_logprobs")
+        self.token_lp = a.get("out_token_logprobs")
+        self.vocab = _Vocab(run)
+
+    def span(self, row: int) -> tuple[int, int]:
+        return int(self.offsets[row]), int(self.offsets[row + 1])
+
+    def topk(self, start: int, d: int, own: int | None, other: int | None) -> list[list[Any]]:
+        """[token text, logprob, 1 if this side chose it / 2 if the other side did / 0] per top-k entry."""
+        ids, lps = self.top_ids[start + d], self.top_lp[start + d]
+        return [[self.vocab(int(i)), _round(float(lp)), 1 if i == own else 2 if i == other else 0]
+                for i, lp in zip(ids, lps) if i >= 0 and np.isfinite(lp)]
+
+
+def _window(g: _Tracks, g_row: int, c: _Tracks, c_row: int, d: int) -> dict[str, Any]:
+    """Tokens around the first divergence ``d`` and the top-k of both sides there."""
+    gs, ge = g.span(g_row)
+    cs, ce = c.span(c_row)
+    g_tok, c_tok = g.tokens[gs:ge], c.tokens[cs:ce]
+    lo = max(0, d - WINDOW_BEFORE)
+    w: dict[str, Any] = {
+        "at": d,
+        "pre": [g.vocab(int(t)) for t in g_tok[lo:d]],
+        "g": [g.vocab(int(t)) for t in g_tok[d:d + WINDOW_AFTER]],
+        "c": [c.vocab(int(t)) for t in c_tok[d:d + WINDOW_AFTER]],
+        "gn": len(g_tok), "cn": len(c_tok),
+    }
+    if lo:
+        w["pre0"] = lo
+    g_choice = int(g_tok[d]) if d < len(g_tok) else None
+    c_choice = int(c_tok[d]) if d < len(c_tok) else None
+    if g_choice is not None:
+        w["gk"] = g.topk(gs, d, g_choice, c_choice)
+        w["gl"] = _round(float(g.token_lp[gs + d]))
+    if c_choice is not None:
+        w["ck"] = c.topk(cs, d, c_choice, g_choice)
+        w["cl"] = _round(float(c.token_lp[cs + d]))
+    return w
+
+
+def _prompt(record: Any, cap: int) -> dict[str, Any]:
+    """The prompt as [[role, text], ...] ('' role for a plain prompt), capped."""
+    if record is None:
+        return {}
+    if record.messages is not None:
+        messages = [(m.role, m.content) for m in record.messages]
+    else:
+        messages = [("", record.prompt or "")]
+    out: dict[str, Any] = {}
+    if len(messages) > MAX_MESSAGES:
+        out["pm0"] = len(messages) - MAX_MESSAGES
+        messages = messages[-MAX_MESSAGES:]
+    per = max(cap // len(messages), 100)
+    out["pm"] = [[role, *_cap_start_pair(text, per)] for role, text in messages]
+    return out
+
+
+def _cap_start_pair(text: str, cap: int) -> list[Any]:
+    kept, dropped = _cap_start(text, cap)
+    return [kept, dropped] if dropped else [kept]
+
+
+def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
+    """Everything the page's script needs, JSON-ready."""
+    names = metric_names(score)
+    tags: dict[str, int] = {}
+    cap = text_cap(len(score.scores))
+    g_tracks, c_tracks = _Tracks(golden), _Tracks(run)
+    prompts = []
+    for rank, (s, sev) in enumerate(ranked(score)):
+        entry: dict[str, Any] = {
+            "id": s.prompt_id,
+            "k": s.prompt_class,
+            "t": [tags.setdefault(tag, len(tags)) for tag in s.tags],
+            "r": rank,
+            "v": _round(sev),
+            "m": [_round(s.metrics.get(n)) for n in names],
+            "why": s.reasons,
+        }
+        record = None
+        if prompt_set is not None:
+            try:
+                record = prompt_set.get(s.prompt_id)
+            except KeyError:
+                record = None
+        entry.update(_prompt(record, cap))
+        if s.prompt_id in run and s.prompt_id in golden:
+            g_row, c_row = golden.position(s.prompt_id), run.position(s.prompt_id)
+            entry.update(_texts(golden.texts[g_row], run.texts[c_row], cap))
+            entry["f"] = [golden.finish_reasons[g_row], run.finish_reasons[c_row]]
+            d = s.metrics.get("first_divergence")
+            if isinstance(d, int) and not isinstance(d, bool) and g_tracks.offsets is not None:
+                entry["w"] = _window(g_tracks, g_row, c_tracks, c_row, d)
+        prompts.append(entry)
+    t = thresholds_of(score)
+    return {
+        "candidate": score.run.candidate.name,
+        "baseline": score.golden.candidate.name,
+        "classes": list(CLASS_ORDER),
+        "tags": list(tags),
+        "metrics": names,
+        "descriptions": score.metric_descriptions,
+        "key": [n for n in KEY_METRICS if n in names],
+        "thresholds": t.model_dump(include={"near_tie_margin", "confident_margin", "benign_kl", "regression_kl",
+                                            "benign_same_top1", "regression_same_top1", "benign_semantic",
+                                            "regression_semantic"}),
+        "caps": {"text": cap, "token_text": TOKEN_TEXT_CAP, "before": WINDOW_BEFORE, "after": WINDOW_AFTER},
+        "prompts": prompts,
+    }

@@ -1,0 +1,73 @@
+"""``summary.md``: the verdict in Markdown, for a CI job summary or a pull-request comment.
+
+Prompt ids, tags and configuration values come from users' files: they go into code spans
+(nothing inside is a link, an @-mention or HTML) with ``|`` escaped for tables; other text is
+backslash-escaped. Model outputs are never included.
+"""
+
+from __future__ import annotations
+
+import re
+
+from regress.records import ScoreReport
+from regress.report import overview
+from regress.report.configdiff import config_diff
+from regress.report.render import valid_text
+
+WORST_LISTED = 10
+CHANGES_LISTED = 20
+CELL_CAP = 80
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#!|~&@])")
+
+
+def md_text(value: object, cap: int = 300) -> str:
+    """Plain text for Markdown: one line, every character Markdown could act on escaped."""
+    text = " ".join(str(value).split())
+    if len(text) > cap:
+        text = text[:cap] + "…"
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def md_code(value: object, cap: int = CELL_CAP) -> str:
+    """A code span safe in a table cell."""
+    text = " ".join(str(value).split())
+    if len(text) > cap:
+        text = text[:cap] + "…"
+    text = text.replace("|", "\\|")
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def summary_markdown(score: ScoreReport, report_link: str | None = None) -> str:
+    """The Markdown summary of one candidate."""
+    m = score.metrics
+    icon, word = ("✅", "passes") if m.verdict == "pass" else ("❌", "fails")
+    lines = [f"## {icon} regress: {md_code(m.candidate)} {word} against {md_code(score.golden.candidate.name)}", ""]
+    lines += [f"- {md_text(r)}" for r in score.verdict_reasons]
+    lines += ["", "| prompts | " + " | ".join(c.label for c in overview.counts(m)) + " |",
+              "|---:|" + "---:|" * len(overview.counts(m)),
+              f"| {m.prompts:,} | " + " | ".join(f"{c.count:,}" for c in overview.counts(m)) + " |", ""]
+    lines += ["| measure | value |", "|---|---:|"]
+    lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m)]
+    for p in overview.performance(score):
+        lines.append(f"| {p.label} | {md_text(p.candidate)} (golden {md_text(p.golden)}, {md_text(p.change)}) |")
+    changed = [s for s in config_diff(score.golden, score.run) if s.changed]
+    lines += ["", f"**Configuration:** {len(changed)} setting(s) differ from the baseline."]
+    if changed:
+        lines += ["", "| setting | baseline | candidate |", "|---|---|---|"]
+        lines += [f"| {s.section}: {md_text(s.name)} | {md_code(s.baseline)} | {md_code(s.candidate)} |"
+                  for s in changed[:CHANGES_LISTED]]
+        if len(changed) > CHANGES_LISTED:
+            lines.append(f"| … {len(changed) - CHANGES_LISTED} more | | |")
+    worst = overview.worst(score, WORST_LISTED)
+    if worst:
+        total = m.regression + m.drift + m.input_drift
+        lines += ["", f"**Worst prompts** ({len(worst)} of {total:,} regressions, drifts and input drifts):", "",
+                  "| prompt | class | severity | first div. | why |", "|---|---|---:|---:|---|"]
+        lines += [f"| {md_code(w.prompt_id)} | {w.label} | {w.severity} | {w.divergence} | {md_text(w.reason, 160)} |"
+                  for w in worst]
+    if report_link:
+        lines += ["", f"Full report: {md_code(report_link, 300)}"]
+    return valid_text("\n".join(lines) + "\n")

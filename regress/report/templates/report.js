@@ -1,0 +1,632 @@
+/* regress report: charts, the prompt table and prompt details, built from the JSON data block.
+   Untrusted text (prompts, outputs, tokens, ids, tags) only ever goes into the page through
+   textContent and createElement: never parsed as markup, never as a URL or an attribute that runs. */
+(function () {
+  "use strict";
+
+  var D = JSON.parse(document.getElementById("data").textContent);
+  var P = D.prompts;
+  var MI = Object.create(null);
+  D.metrics.forEach(function (name, i) { MI[name] = i; });
+  var LABEL = { regression: "regression", drift: "drift", input_drift: "input drift", benign: "benign", identical: "identical" };
+  var CLASS_RANK = Object.create(null);
+  D.classes.forEach(function (k, i) { CLASS_RANK[k] = i; });
+  var BY_ID = new Map();
+  P.forEach(function (p, i) { BY_ID.set(p.id, i); });
+  var SHORT = {
+    first_divergence: "first div.", golden_margin: "golden margin", tf_kl_mean: "TF KL",
+    tf_same_top1_rate: "same top-1", semantic_similarity: "semantic", edit_distance: "edit dist.", rouge_l: "ROUGE-L"
+  };
+  var PAGE = 50;
+  var SVGNS = "http://www.w3.org/2000/svg";
+
+  // ---------------------------------------------------------------- helpers
+
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+  function add(parent) {
+    for (var i = 1; i < arguments.length; i++) if (arguments[i]) parent.appendChild(arguments[i]);
+    return parent;
+  }
+  function sv(tag, attrs, text) {
+    var e = document.createElementNS(SVGNS, tag);
+    for (var k in attrs) if (Object.prototype.hasOwnProperty.call(attrs, k)) e.setAttribute(k, String(attrs[k]));
+    if (text !== undefined) e.textContent = String(text);
+    return e;
+  }
+  function val(p, name) {
+    if (name === "severity") return p.v;
+    var i = MI[name];
+    return i === undefined ? null : p.m[i];
+  }
+  function isNum(v) { return typeof v === "number" && isFinite(v); }
+  function fmt(name, v) {
+    if (v === null || v === undefined) return "—";
+    if (typeof v === "boolean") return v ? "yes" : "no";
+    if (typeof v !== "number") return String(v);
+    if (name === "severity") return v.toFixed(2);
+    if (/rate$/.test(name)) return (v * 100).toFixed(v >= 0.999 && v < 1 ? 2 : 1) + " %";
+    if (/kl/.test(name)) return v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(1) : v.toFixed(4);
+    if (Number.isInteger(v)) return v.toLocaleString("en-US");
+    return String(Number(v.toPrecision(3)));
+  }
+  function plural(n, word) { return n.toLocaleString("en-US") + " " + word + (n === 1 ? "" : "s"); }
+  function visible(tok) { return tok.replace(/ /g, "·").replace(/\n/g, "↵").replace(/\t/g, "→"); }
+  function badge(k) { return el("span", "badge k-" + k, LABEL[k] || k); }
+
+  // ---------------------------------------------------------------- state
+
+  var state = { classes: new Set(), tag: "", metric: "", min: "", max: "", q: "", sort: "r", dir: 1, page: 0 };
+  var rows = [];      // indices into P after filtering and sorting
+  var current = -1;   // index into P shown in the detail drawer
+
+  function matches(p, q) {
+    if (p.id.toLowerCase().indexOf(q) >= 0) return true;
+    var texts = [p.s, p.g, p.c];
+    if (p.pm) p.pm.forEach(function (m) { texts.push(m[1]); });
+    for (var i = 0; i < texts.length; i++) if (texts[i] && texts[i].toLowerCase().indexOf(q) >= 0) return true;
+    return false;
+  }
+
+  function sortValue(p, key) {
+    if (key === "r") return p.r;
+    if (key === "id") return p.id;
+    if (key === "k") return CLASS_RANK[p.k];
+    if (key === "v") return p.v;
+    var v = val(p, key.slice(2));
+    return typeof v === "boolean" ? Number(v) : v;
+  }
+
+  function compute() {
+    var q = state.q.trim().toLowerCase();
+    var tag = state.tag === "" ? -1 : Number(state.tag);
+    var lo = state.min === "" ? null : Number(state.min);
+    var hi = state.max === "" ? null : Number(state.max);
+    var ranged = state.metric !== "" && (lo !== null || hi !== null);
+    rows = [];
+    for (var i = 0; i < P.length; i++) {
+      var p = P[i];
+      if (state.classes.size && !state.classes.has(p.k)) continue;
+      if (tag >= 0 && p.t.indexOf(tag) < 0) continue;
+      if (ranged) {
+        var v = val(p, state.metric);
+        if (typeof v === "boolean") v = Number(v);
+        if (!isNum(v) || (lo !== null && v < lo) || (hi !== null && v > hi)) continue;
+      }
+      if (q && !matches(p, q)) continue;
+      rows.push(i);
+    }
+    var key = state.sort, dir = state.dir;
+    rows.sort(function (a, b) {
+      var x = sortValue(P[a], key), y = sortValue(P[b], key);
+      var xn = x === null || x === undefined, yn = y === null || y === undefined;
+      if (xn || yn) return xn === yn ? P[a].r - P[b].r : (xn ? 1 : -1);
+      if (x < y) return -dir;
+      if (x > y) return dir;
+      return P[a].r - P[b].r;
+    });
+  }
+
+  // ---------------------------------------------------------------- prompt table
+
+  var COLUMNS = [
+    { key: "r", label: "#", num: true, title: "rank: regressions first, then drift, input drift, benign, identical; most severe first" },
+    { key: "id", label: "prompt" },
+    { key: "k", label: "class" },
+    { key: "v", label: "severity", num: true, title: "how far past its regression thresholds (1 = at a threshold)" }
+  ].concat(D.key.map(function (name) {
+    return { key: "m:" + name, label: SHORT[name] || name, num: true, title: name + ": " + (D.descriptions[name] || "") };
+  })).concat([{ key: "tags", label: "tags", fixed: true }, { key: "why", label: "why", fixed: true }]);
+
+  function renderHead() {
+    var head = document.getElementById("prompt-head");
+    head.textContent = "";
+    COLUMNS.forEach(function (c) {
+      var th = el("th", (c.num ? "num " : "") + (c.fixed ? "" : "sortable"), c.label);
+      if (c.title) th.title = c.title;
+      if (!c.fixed) {
+        th.tabIndex = 0;
+        th.dataset.key = c.key;
+        if (state.sort === c.key) th.setAttribute("aria-sort", state.dir > 0 ? "ascending" : "descending");
+      }
+      head.appendChild(th);
+    });
+  }
+
+  function cell(p, c) {
+    if (c.key === "r") return el("td", "num", p.r + 1);
+    if (c.key === "id") return titled(el("td", "id", p.id));
+    if (c.key === "k") return add(el("td"), badge(p.k));
+    if (c.key === "v") return el("td", "num", fmt("severity", p.v));
+    if (c.key === "tags") return titled(el("td", "tags", p.t.map(function (t) { return D.tags[t]; }).join(", ")));
+    if (c.key === "why") return titled(el("td", "why", p.why.length ? p.why[0] + (p.why.length > 1 ? " (+" + (p.why.length - 1) + ")" : "") : ""));
+    var name = c.key.slice(2);
+    return el("td", "num", fmt(name, val(p, name)));
+  }
+
+  function titled(td) { td.title = td.textContent; return td; }
+
+  function renderRows() {
+    var body = document.getElementById("prompt-rows");
+    body.textContent = "";
+    var pages = Math.max(1, Math.ceil(rows.length / PAGE));
+    if (state.page >= pages) state.page = pages - 1;
+    var start = state.page * PAGE, end = Math.min(rows.length, start + PAGE);
+    var frag = document.createDocumentFragment();
+    for (var j = start; j < end; j++) {
+      var p = P[rows[j]];
+      var tr = el("tr");
+      tr.tabIndex = 0;
+      tr.dataset.idx = String(rows[j]);
+      if (rows[j] === current) tr.className = "current";
+      COLUMNS.forEach(function (c) { tr.appendChild(cell(p, c)); });
+      frag.appendChild(tr);
+    }
+    if (!rows.length) {
+      var td = el("td", "note", "No prompt matches these filters.");
+      td.colSpan = COLUMNS.length;
+      frag.appendChild(add(el("tr"), td));
+    }
+    body.appendChild(frag);
+    var shown = document.getElementById("shown");
+    shown.textContent = rows.length === P.length ? plural(P.length, "prompt") :
+      rows.length.toLocaleString("en-US") + " of " + plural(P.length, "prompt");
+    var pager = document.getElementById("pager");
+    pager.textContent = "";
+    var prev = el("button", "", "← previous"), next = el("button", "", "next →");
+    prev.type = next.type = "button";
+    prev.disabled = state.page === 0;
+    next.disabled = state.page >= pages - 1;
+    prev.addEventListener("click", function () { state.page--; renderRows(); });
+    next.addEventListener("click", function () { state.page++; renderRows(); });
+    add(pager, prev, el("span", "", rows.length ? (start + 1) + "–" + end + " of " + rows.length.toLocaleString("en-US") : "0"), next,
+        el("span", "note", "page " + (state.page + 1) + " of " + pages));
+  }
+
+  function refresh() {
+    compute();
+    renderHead();
+    renderRows();
+    syncControls();
+  }
+
+  function syncControls() {
+    document.querySelectorAll("#class-filter .chip").forEach(function (b) {
+      b.setAttribute("aria-pressed", state.classes.has(b.dataset.class) ? "true" : "false");
+    });
+    document.getElementById("tag-filter").value = state.tag;
+    document.getElementById("metric-filter").value = state.metric;
+    document.getElementById("metric-min").value = state.min;
+    document.getElementById("metric-max").value = state.max;
+    document.getElementById("search").value = state.q;
+  }
+
+  function setupFilters() {
+    var chips = document.getElementById("class-filter");
+    var count = Object.create(null);
+    P.forEach(function (p) { count[p.k] = (count[p.k] || 0) + 1; });
+    D.classes.forEach(function (k) {
+      var b = el("button", "chip k-" + k, LABEL[k] + " " + (count[k] || 0).toLocaleString("en-US"));
+      b.type = "button";
+      b.dataset.class = k;
+      b.setAttribute("aria-pressed", "false");
+      b.addEventListener("click", function () {
+        if (state.classes.has(k)) state.classes.delete(k); else state.classes.add(k);
+        state.page = 0;
+        refresh();
+      });
+      chips.appendChild(b);
+    });
+    var tagSel = document.getElementById("tag-filter");
+    var tagCount = D.tags.map(function () { return 0; });
+    P.forEach(function (p) { p.t.forEach(function (t) { tagCount[t]++; }); });
+    D.tags.map(function (t, i) { return [t, i]; })
+      .sort(function (a, b) { return a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0; })
+      .forEach(function (ti) {
+        var o = el("option", "", ti[0] + " (" + tagCount[ti[1]] + ")");
+        o.value = String(ti[1]);
+        tagSel.appendChild(o);
+      });
+    var metricSel = document.getElementById("metric-filter");
+    ["severity"].concat(D.metrics).forEach(function (name) {
+      var o = el("option", "", name);
+      o.value = name;
+      if (D.descriptions[name]) o.title = D.descriptions[name];
+      metricSel.appendChild(o);
+    });
+    tagSel.addEventListener("change", function () { state.tag = tagSel.value; state.page = 0; refresh(); });
+    metricSel.addEventListener("change", function () { state.metric = metricSel.value; state.page = 0; refresh(); });
+    ["min", "max"].forEach(function (which) {
+      var input = document.getElementById("metric-" + which);
+      input.addEventListener("input", function () { state[which] = input.value; state.page = 0; refresh(); });
+    });
+    var search = document.getElementById("search"), timer = 0;
+    search.addEventListener("input", function () {
+      clearTimeout(timer);
+      timer = setTimeout(function () { state.q = search.value; state.page = 0; refresh(); }, 120);
+    });
+    document.getElementById("reset").addEventListener("click", function () {
+      state.classes.clear();
+      state.tag = state.metric = state.min = state.max = state.q = "";
+      state.sort = "r"; state.dir = 1; state.page = 0;
+      refresh();
+    });
+    var head = document.getElementById("prompt-head");
+    function sortBy(th) {
+      if (!th || !th.dataset.key) return;
+      var key = th.dataset.key;
+      if (state.sort === key) state.dir = -state.dir;
+      else { state.sort = key; state.dir = key === "v" || key === "m:tf_kl_mean" || key === "m:edit_distance" || key === "m:golden_margin" ? -1 : 1; }
+      state.page = 0;
+      refresh();
+    }
+    head.addEventListener("click", function (e) { sortBy(e.target.closest("th")); });
+    head.addEventListener("keydown", function (e) { if (e.key === "Enter") sortBy(e.target.closest("th")); });
+    var body = document.getElementById("prompt-rows");
+    body.addEventListener("click", function (e) {
+      var tr = e.target.closest("tr");
+      if (tr && tr.dataset.idx) open(Number(tr.dataset.idx));
+    });
+    body.addEventListener("keydown", function (e) {
+      var tr = e.target.closest("tr");
+      if (e.key === "Enter" && tr && tr.dataset.idx) open(Number(tr.dataset.idx));
+    });
+  }
+
+  function showOnly(classes) {
+    state.classes = new Set(classes);
+    state.page = 0;
+    refresh();
+    document.getElementById("prompts").scrollIntoView();
+  }
+
+  // ---------------------------------------------------------------- charts
+
+  function histogram(spec) {
+    var W = 420, H = 170, L = 38, R = 10, T = 8, B = 24;
+    var box = el("div", "chart");
+    add(box, el("h3", "", spec.title), el("div", "sub", spec.sub));
+    var s = sv("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": spec.title });
+    box.appendChild(s);
+    var n = spec.edges.length - 1;
+    var counts = [];
+    for (var b = 0; b < n; b++) counts.push(Object.create(null));
+    var total = 0;
+    spec.items.forEach(function (it) {
+      var x = spec.pos(it.x);
+      var bin = Math.min(n - 1, Math.max(0, Math.floor((x - spec.edges[0]) / (spec.edges[n] - spec.edges[0]) * n)));
+      counts[bin][it.k] = (counts[bin][it.k] || 0) + 1;
+      total++;
+    });
+    var max = 0;
+    counts.forEach(function (c) { var t = 0; for (var k in c) t += c[k]; if (t > max) max = t; });
+    var pw = W - L - R, ph = H - T - B;
+    function X(pos) { return L + (pos - spec.edges[0]) / (spec.edges[n] - spec.edges[0]) * pw; }
+    add(s, sv("line", { class: "axis", x1: L, y1: T + ph, x2: W - R, y2: T + ph }),
+        sv("line", { class: "axis", x1: L, y1: T, x2: L, y2: T + ph }));
+    if (!total) {
+      s.appendChild(sv("text", { class: "empty", x: L + pw / 2, y: T + ph / 2, "text-anchor": "middle" }, spec.empty));
+      return box;
+    }
+    niceTicks(0, max, 3).forEach(function (c) {
+      if (c !== Math.round(c)) return;
+      var y = T + ph - c / max * ph;
+      if (c) s.appendChild(sv("line", { class: "grid", x1: L + 1, y1: y, x2: W - R, y2: y }));
+      s.appendChild(sv("text", { class: "tick", x: L - 4, y: y + 3, "text-anchor": "end" }, c));
+    });
+    var order = D.classes.slice().reverse(); // identical at the bottom, regressions on top
+    var bw = pw / n;
+    counts.forEach(function (c, bin) {
+      var y = T + ph;
+      order.forEach(function (k) {
+        if (!c[k]) return;
+        var h = c[k] / max * ph;
+        y -= h;
+        var lo = spec.edges[bin], hi = spec.edges[bin + 1];
+        var r = sv("rect", { class: "bar fill-" + k, x: X(lo) + 0.5, y: y, width: Math.max(bw - 1, 1), height: Math.max(h, 0.5) });
+        r.appendChild(sv("title", {}, c[k] + " " + LABEL[k] + " · " + spec.range(lo, hi)));
+        r.addEventListener("click", function () {
+          var range = spec.filter(lo, hi);
+          state.metric = spec.metric; state.min = range[0]; state.max = range[1];
+          showOnly([k]);
+        });
+        s.appendChild(r);
+      });
+    });
+    spec.ticks.forEach(function (t) {
+      var x = X(t[0]);
+      add(s, sv("line", { class: "axis", x1: x, y1: T + ph, x2: x, y2: T + ph + 3 }),
+          sv("text", { class: "tick", x: x, y: H - 8, "text-anchor": x > W - R - 12 ? "end" : "middle" }, t[1]));
+    });
+    (spec.thresholds || []).forEach(function (t) {
+      var pos = spec.pos(t[0]);
+      if (pos < spec.edges[0] || pos > spec.edges[n]) return;
+      var line = sv("line", { class: "thr thr-" + t[1], x1: X(pos), y1: T, x2: X(pos), y2: T + ph });
+      line.appendChild(sv("title", {}, t[1] + " threshold " + t[0]));
+      s.appendChild(line);
+    });
+    return box;
+  }
+
+  function niceTicks(lo, hi, count) {
+    var step = Math.pow(10, Math.floor(Math.log10((hi - lo) / count || 1)));
+    [1, 2, 5, 10].some(function (m) { if ((hi - lo) / (step * m) <= count) { step *= m; return true; } return false; });
+    var out = [];
+    for (var t = Math.ceil(lo / step) * step; t <= hi + 1e-9; t += step) out.push(Number(t.toPrecision(6)));
+    return out;
+  }
+
+  function renderCharts() {
+    var box = document.getElementById("charts");
+    var T = D.thresholds;
+    // first divergence: diverged prompts, integer positions
+    var div = [];
+    P.forEach(function (p) { var v = val(p, "first_divergence"); if (isNum(v)) div.push({ x: v, k: p.k }); });
+    var dmax = div.reduce(function (m, it) { return Math.max(m, it.x); }, 0);
+    var width = Math.max(1, Math.ceil((dmax + 1) / 40));
+    var dEdges = [];
+    for (var e = 0; e <= Math.ceil((dmax + 1) / width); e++) dEdges.push(e * width);
+    if (dEdges.length < 2) dEdges = [0, 1];
+    box.appendChild(histogram({
+      title: "First divergence", sub: plural(div.length, "diverged prompt") + " · token position of the first difference",
+      items: div, edges: dEdges, pos: function (x) { return x; }, metric: "first_divergence",
+      ticks: niceTicks(0, dEdges[dEdges.length - 1], 6).map(function (t) { return [t, String(t)]; }),
+      range: function (lo, hi) { return hi - lo === 1 ? "token " + lo : "tokens " + lo + "–" + (hi - 1); },
+      filter: function (lo, hi) { return [String(lo), String(hi - 1)]; },
+      empty: "no prompt diverged"
+    }));
+    // teacher-forced KL, log scale
+    var kl = [], minPos = Infinity, maxKl = 0;
+    P.forEach(function (p) {
+      var v = val(p, "tf_kl_mean");
+      if (!isNum(v)) return;
+      kl.push({ x: v, k: p.k });
+      if (v > 0 && v < minPos) minPos = v;
+      if (v > maxKl) maxKl = v;
+    });
+    var lo = Math.max(-8, Math.floor(Math.log10(isFinite(minPos) ? minPos : 1e-6)));
+    var hi = Math.max(Math.ceil(Math.log10(Math.max(maxKl, T.regression_kl * 3, 1e-9))), lo + 1);
+    var kEdges = [];
+    for (var i = 0; i <= 36; i++) kEdges.push(lo + (hi - lo) * i / 36);
+    var kTicks = [];
+    for (var d = lo; d <= hi; d += Math.max(1, Math.round((hi - lo) / 6))) kTicks.push([d, "1e" + d]);
+    box.appendChild(histogram({
+      title: "Teacher-forced KL", sub: plural(kl.length, "prompt") + " · mean KL(golden ‖ candidate) per token, nat, log scale",
+      items: kl, edges: kEdges, pos: function (x) { return x > 0 ? Math.log10(x) : lo; }, metric: "tf_kl_mean",
+      ticks: kTicks, thresholds: [[T.benign_kl, "benign"], [T.regression_kl, "regression"]],
+      range: function (a, b) { return Math.pow(10, a).toExponential(1) + " – " + Math.pow(10, b).toExponential(1) + " nat"; },
+      filter: function (a, b) { return [a === lo ? "" : Math.pow(10, a).toPrecision(4), Math.pow(10, b).toPrecision(4)]; },
+      empty: "no teacher-forced scores"
+    }));
+    // semantic similarity of diverged prompts
+    var sem = [], smin = 1;
+    P.forEach(function (p) {
+      var v = val(p, "semantic_similarity");
+      if (!isNum(v) || p.k === "identical") return;
+      sem.push({ x: v, k: p.k });
+      if (v < smin) smin = v;
+    });
+    var slo = Math.floor(Math.min(smin, T.regression_semantic - 0.05) * 20) / 20;
+    var sEdges = [];
+    for (var j = 0; j <= 40; j++) sEdges.push(slo + (1 - slo) * j / 40);
+    box.appendChild(histogram({
+      title: "Semantic similarity", sub: plural(sem.length, "diverged prompt") + " · embedding cosine, 1 = same meaning",
+      items: sem, edges: sEdges, pos: function (x) { return x; }, metric: "semantic_similarity",
+      ticks: niceTicks(slo, 1, 6).map(function (t) { return [t, String(t)]; }),
+      thresholds: [[T.benign_semantic, "benign"], [T.regression_semantic, "regression"]],
+      range: function (a, b) { return a.toFixed(3) + " – " + b.toFixed(3); },
+      filter: function (a, b) { return [a.toFixed(4), b.toFixed(4)]; },
+      empty: "no diverged prompt with a semantic score"
+    }));
+  }
+
+  // ---------------------------------------------------------------- detail
+
+  function cut(n, where) {
+    return el("span", "cut", where === "before" ? "… " + plural(n, "character") + " before … " : " … " + plural(n, "more character"));
+  }
+
+  function outputText(p, side) {
+    var pre = el("pre", "text");
+    if (p.s0) pre.appendChild(cut(p.s0, "before"));
+    pre.appendChild(document.createTextNode(p.s));
+    if (p.s1) pre.appendChild(cut(p.s1, "after"));
+    var rest = p[side];
+    if (rest !== undefined) {
+      if (rest) pre.appendChild(el("mark", side, rest));
+      if (p[side + "1"]) pre.appendChild(cut(p[side + "1"], "after"));
+    }
+    return pre;
+  }
+
+  function tokenRow(w, side) {
+    var mine = w[side], other = w[side === "g" ? "c" : "g"];
+    var box = el("div", "toks");
+    if (w.pre0) box.appendChild(el("span", "tok end", "… " + plural(w.pre0, "token")));
+    w.pre.forEach(function (t, i) {
+      var s = el("span", "tok shared", visible(t));
+      s.title = "token " + ((w.pre0 || 0) + i) + " (same on both sides)";
+      box.appendChild(s);
+    });
+    mine.forEach(function (t, i) {
+      var cls = i === 0 ? "tok diff first " + side : (other[i] === t ? "tok same" : "tok diff " + side);
+      var s = el("span", cls, visible(t));
+      s.title = "token " + (w.at + i) + (i === 0 ? " (first divergence)" : "");
+      box.appendChild(s);
+    });
+    var n = side === "g" ? w.gn : w.cn;
+    var fin = p_finish(side);
+    if (w.at + mine.length >= n) box.appendChild(el("span", "tok end", "end of output" + (fin ? " (" + fin + ")" : "")));
+    else box.appendChild(el("span", "tok end", "… " + plural(n - w.at - mine.length, "more token")));
+    return box;
+  }
+  var detailPrompt = null;
+  function p_finish(side) {
+    if (!detailPrompt || !detailPrompt.f) return "";
+    return detailPrompt.f[side === "g" ? 0 : 1];
+  }
+
+  function topkTable(rows, title, chosenLp) {
+    var box = el("div");
+    box.appendChild(el("h4", "", title));
+    if (!rows) { box.appendChild(el("p", "note", "no token at this position (the output ended)")); return box; }
+    var t = el("table");
+    add(t, add(el("thead"), add(el("tr"), el("th", "num", "#"), el("th", "", "token"), el("th", "num", "logprob"), el("th", "", "probability"))));
+    var body = el("tbody");
+    rows.forEach(function (r, i) {
+      var tr = el("tr", r[2] === 1 ? "chosen" : r[2] === 2 ? "other" : "");
+      var prob = isNum(r[1]) ? Math.exp(r[1]) : 0;
+      var bar = el("span", "pbar");
+      bar.style.width = Math.round(prob * 80) + "px";
+      var pc = el("td");
+      add(pc, bar, document.createTextNode(" " + (prob * 100).toFixed(1) + " %"));
+      var tok = el("td", "t", visible(r[0]));
+      tok.title = r[2] === 1 ? "this side chose it" : r[2] === 2 ? "the other side chose it" : "";
+      add(tr, el("td", "num", i + 1), tok, el("td", "num", isNum(r[1]) ? r[1].toFixed(3) : "—"), pc);
+      body.appendChild(tr);
+    });
+    t.appendChild(body);
+    box.appendChild(t);
+    var note = "bold: this side's choice; wavy: the other side's";
+    if (isNum(chosenLp)) note = "chosen token logprob " + chosenLp.toFixed(3) + " · " + note;
+    box.appendChild(el("p", "note", note));
+    return box;
+  }
+
+  function renderDetail(p) {
+    detailPrompt = p;
+    var title = document.getElementById("detail-title");
+    title.textContent = "";
+    add(title, badge(p.k), el("span", "pid", p.id), el("span", "note", "severity " + fmt("severity", p.v) + " · rank " + (p.r + 1)));
+    var body = document.getElementById("detail-body");
+    body.textContent = "";
+    if (p.t.length) {
+      var tags = el("div", "tags");
+      p.t.forEach(function (t) { tags.appendChild(el("span", "tag", D.tags[t])); });
+      body.appendChild(tags);
+    }
+    if (p.why.length) {
+      var ul = el("ul", "why");
+      p.why.forEach(function (r) { ul.appendChild(el("li", "", r)); });
+      body.appendChild(ul);
+    }
+    if (p.pm) {
+      body.appendChild(el("h3", "", "Prompt"));
+      var pre = el("pre", "text");
+      if (p.pm0) pre.appendChild(el("span", "cut", "… " + plural(p.pm0, "earlier message") + "\n"));
+      p.pm.forEach(function (m) {
+        if (m[0]) pre.appendChild(el("span", "role", m[0]));
+        if (m[2]) pre.appendChild(cut(m[2], "before"));
+        pre.appendChild(document.createTextNode(m[1]));
+      });
+      body.appendChild(pre);
+    }
+    if (p.s !== undefined) {
+      var same = p.g === undefined;
+      body.appendChild(el("h3", "", same ? "Output (identical on both sides)" : "Outputs, side by side"));
+      if (same) {
+        body.appendChild(outputText(p, null));
+      } else {
+        var sbs = el("div", "sbs");
+        [["g", "golden (" + D.baseline + ")", 0], ["c", "candidate (" + D.candidate + ")", 1]].forEach(function (side) {
+          var col = el("div");
+          var h = el("h4", "", side[1]);
+          if (p.f) h.appendChild(el("span", "fin", " · finished: " + p.f[side[2]]));
+          add(col, h, outputText(p, side[0]));
+          sbs.appendChild(col);
+        });
+        body.appendChild(sbs);
+        body.appendChild(el("p", "note", "Plain: text both outputs share; highlighted: where they part."));
+      }
+    }
+    if (p.w) {
+      var w = p.w;
+      body.appendChild(el("h3", "", "Tokens at the first divergence (token " + w.at + ")"));
+      var grid = el("div", "tokens");
+      add(grid, el("div", "side", "golden"), tokenRow(w, "g"), el("div", "side", "candidate"), tokenRow(w, "c"));
+      body.appendChild(grid);
+      body.appendChild(el("h3", "", "Top-k alternatives at token " + w.at));
+      var margin = val(p, "golden_margin");
+      if (isNum(margin)) body.appendChild(el("p", "note", "golden margin (top-1 − top-2 logprob): " + fmt("golden_margin", margin) +
+        " nat; below " + D.thresholds.near_tie_margin + " is a near-tie, from " + D.thresholds.confident_margin + " the golden was confident."));
+      add(body, add(el("div", "topk"), topkTable(w.gk, "golden", w.gl), topkTable(w.ck, "candidate", w.cl)));
+    }
+    body.appendChild(el("h3", "", "Metrics"));
+    var t = el("table", "metrics");
+    var tb = el("tbody");
+    D.metrics.forEach(function (name) {
+      add(tb, add(el("tr"), el("th", "", name), el("td", "num", fmt(name, val(p, name))), el("td", "d", D.descriptions[name] || "")));
+    });
+    t.appendChild(tb);
+    body.appendChild(t);
+    body.scrollTop = 0;
+  }
+
+  function open(idx) {
+    if (idx < 0 || idx >= P.length) return;
+    current = idx;
+    renderDetail(P[idx]);
+    var aside = document.getElementById("detail");
+    aside.hidden = false;
+    history.replaceState(null, "", "#prompt=" + encodeURIComponent(P[idx].id));
+    document.querySelectorAll("#prompt-rows tr").forEach(function (tr) {
+      tr.classList.toggle("current", Number(tr.dataset.idx) === idx);
+    });
+  }
+
+  function close() {
+    document.getElementById("detail").hidden = true;
+    current = -1;
+    history.replaceState(null, "", location.pathname + location.search);
+    document.querySelectorAll("#prompt-rows tr.current").forEach(function (tr) { tr.classList.remove("current"); });
+  }
+
+  function step(delta) {
+    if (current < 0 || !rows.length) return;
+    var at = rows.indexOf(current);
+    var next = at < 0 ? 0 : Math.min(rows.length - 1, Math.max(0, at + delta));
+    state.page = Math.floor(next / PAGE);
+    renderRows();
+    open(rows[next]);
+  }
+
+  function setupDetail() {
+    document.getElementById("detail-close").addEventListener("click", close);
+    document.getElementById("detail-next").addEventListener("click", function () { step(1); });
+    document.getElementById("detail-prev").addEventListener("click", function () { step(-1); });
+    document.addEventListener("keydown", function (e) {
+      if (document.getElementById("detail").hidden) return;
+      var tag = e.target && e.target.tagName;
+      if (tag === "INPUT" || tag === "SELECT" || tag === "TEXTAREA") return;
+      if (e.key === "Escape") close();
+      else if (e.key === "j") step(1);
+      else if (e.key === "k") step(-1);
+    });
+    document.querySelectorAll(".worst-table tr.open").forEach(function (tr) {
+      function go() { var i = BY_ID.get(tr.dataset.id); if (i !== undefined) open(i); }
+      tr.addEventListener("click", go);
+      tr.addEventListener("keydown", function (e) { if (e.key === "Enter") go(); });
+    });
+    document.querySelectorAll(".counts .count").forEach(function (b) {
+      b.addEventListener("click", function () { showOnly([b.dataset.class]); });
+    });
+    var more = document.querySelector(".show-worst");
+    if (more) more.addEventListener("click", function (e) { e.preventDefault(); showOnly(["regression", "drift", "input_drift"]); });
+    var h = location.hash;
+    if (h.indexOf("#prompt=") === 0) {
+      var id = null;
+      try { id = decodeURIComponent(h.slice(8)); } catch (err) { id = null; }
+      if (id !== null && BY_ID.has(id)) open(BY_ID.get(id));
+    }
+  }
+
+  setupFilters();
+  refresh();
+  renderCharts();
+  setupDetail();
+  document.body.dataset.ready = "1";
+})();
