@@ -114,6 +114,7 @@ def golden(
     dataset: Optional[Path] = typer.Option(None, help="Prompt set (default: params' dataset)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Golden directory (default: params' paths.golden)."),
     shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per engine batch (default: params' shard_size)."),
+    force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date golden exists."),
 ) -> None:
     """Run the baseline over the prompt set and write the golden outputs."""
     from regress.config import load_params
@@ -126,7 +127,8 @@ def golden(
     prompt_set = load_prompt_set(dataset or p.dataset)
     out_dir = out or p.golden_dir()
     with RichReporter(f"golden '{spec.name}'") as reporter:
-        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter)
+        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter,
+                              force=force)
     _summarise(manifest, out_dir)
 
 
@@ -139,6 +141,7 @@ def replay(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: runs/<candidate>)."),
     shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per batch (default: the golden's, so batches match)."),
     teacher_force: bool = typer.Option(True, help="Also score the golden completions teacher-forced."),
+    force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date run exists."),
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
     from regress.config import load_params
@@ -154,7 +157,7 @@ def replay(
     out_dir = out or p.run_dir(spec.name)
     with RichReporter(f"replay '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
-                              teacher_force=teacher_force, reporter=reporter)
+                              teacher_force=teacher_force, reporter=reporter, force=force)
     _summarise(manifest, out_dir)
 
 
@@ -233,6 +236,7 @@ def check(
     candidate: str = typer.Argument(..., help="Candidate name from params.yaml."),
     params: Path = ParamsOption,
     golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+    force: bool = typer.Option(False, "--force", help="Replay again even if an up-to-date run exists."),
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
     from regress.config import load_params
@@ -246,7 +250,8 @@ def check(
     prompt_set = load_prompt_set(p.dataset)
     golden_run = load_run(golden_dir or p.golden_dir())
     with RichReporter(f"replay '{spec.name}'") as reporter:
-        manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter)
+        manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter,
+                              force=force)
     _summarise(manifest, p.run_dir(spec.name))
     report, out_dir, page = _score(params, candidate, golden_dir, None, None)
     _print_scores(report)

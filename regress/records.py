@@ -410,6 +410,8 @@ class RunManifest(_Record):
     """Unique id of this run."""
     kind: Literal["golden", "replay"]
     """A golden (baseline output, blessed) or a replay of a candidate against a golden."""
+    plan_fingerprint: str = ""
+    """Hash of what was asked (candidate, prompt set, layout, golden): an equal plan can reuse the run."""
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     """When the run finished (UTC)."""
     candidate: CandidateSpec

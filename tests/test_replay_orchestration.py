@@ -124,3 +124,17 @@ def test_bad_params_name_file_line_and_field(tmp_path):
     assert result.returncode == 2
     assert "params.yaml:6: field 'candidates.x.dtype'" in result.stderr
     assert "float8" in result.stderr
+
+
+def test_an_up_to_date_run_is_reused_and_force_reruns_it(tmp_path):
+    project = _project(tmp_path)
+    assert run_cli("golden", cwd=project).returncode == 0
+    first = load_run(project / "golden").manifest.run_id
+    again = run_cli("golden", cwd=project)
+    assert again.returncode == 0 and "up to date" in again.stderr
+    assert load_run(project / "golden").manifest.run_id == first
+    assert run_cli("golden", "--force", cwd=project).returncode == 0
+    assert load_run(project / "golden").manifest.run_id != first
+    # A changed plan (another shard size) is not "up to date".
+    assert run_cli("golden", "--shard-size", "5", cwd=project).returncode == 0
+    assert load_run(project / "golden").manifest.layout.shard_size == 5
