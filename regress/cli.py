@@ -93,6 +93,21 @@ def model(
     _out(f"fixture model written to {out} ({len(files)} files; weights sha256 {weights})")
 
 
+@app.command()
+def quantize(
+    scheme: str = typer.Option(..., "--scheme", "-s", help="llm-compressor scheme: W8A8, W4A16, W8A16 or FP8_DYNAMIC."),
+    model_dir: Path = typer.Option(Path("models/fixture"), "--model", "-m", help="Model directory to quantize."),
+    out: Path = typer.Option(..., "--out", "-o", help="Where the compressed-tensors checkpoint goes."),
+) -> None:
+    """Quantize a model with llm-compressor (in its own cached environment), as production users do."""
+    from regress.quantize import DEFAULT_QUANTIZER, quantize_model
+
+    with stderr_console.status(f"quantizing {model_dir} with {scheme} ({DEFAULT_QUANTIZER.describe()})") as status:
+        path = quantize_model(model_dir, out, scheme=scheme,
+                              on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
+    _out(f"{scheme} checkpoint written to {path} (load it with quantization: compressed-tensors)")
+
+
 # --------------------------------------------------------------------------------------
 # golden / replay
 # --------------------------------------------------------------------------------------
