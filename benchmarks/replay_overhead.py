@@ -33,13 +33,13 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 BARE = r'''
 import json, os, sys, time
-import torch
-torch.cpu._init_amx()  # same AMX permission request regress makes (see regress/runner.py)
-from vllm import LLM, SamplingParams
 if __name__ == "__main__":
+    t0 = time.perf_counter()  # load = import + engine start, as regress's engine_load_s counts it
+    import torch
+    torch.cpu._init_amx()  # same AMX permission request regress makes (see regress/runner.py)
+    from vllm import LLM, SamplingParams
     model, prompts_file, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     prompts = [json.loads(line)["prompt"] for line in open(prompts_file)]
-    t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", **engine_args)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0, max_tokens=64, logprobs=5, seed=0)
@@ -77,7 +77,7 @@ def run_regress(model: Path, prompts: Path, work: Path, shard_size: int) -> dict
     }))
     out = work / "golden"
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "regress.cli", "golden", "--params", str(params), "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "regress.cli", "golden", "--params", str(params), "--out", str(out), "--force"],
                    check=True, capture_output=True, text=True)
     wall = time.perf_counter() - started
     manifest = json.loads((out / "manifest.json").read_text())

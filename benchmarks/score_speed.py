@@ -1,12 +1,17 @@
 """Scoring speed: 10,000 prompts x 128 generated tokens x top-5 logprobs on this machine.
 
-Builds a synthetic golden and candidate run in the real storage format (random float32
+Builds a synthetic golden and two candidate runs in the real storage format (random float32
 logprobs, vocabulary 32,000; 30 % of prompts identical, the rest diverging at a random
-position, teacher-forced tracks present), then times `score_runs` without and with the
-semantic metric (all-MiniLM-L6-v2 on the CPU; texts are distinct sentences so the embedding
-cache only helps where a golden text repeats).
+position, teacher-forced tracks present; texts of --words random words, all distinct), then
+times `score_runs`:
 
-Usage: python benchmarks/score_speed.py [--prompts 10000] [--tokens 128]
+1. without the semantic metric;
+2. with it, cold: every diverged text embedded (all-MiniLM-L6-v2 on the CPU);
+3. a second candidate against the same golden: the golden's texts come from the embedding
+   cache, only the candidate's are embedded;
+4. the first candidate re-scored (a threshold changed): everything from the cache.
+
+Usage: python benchmarks/score_speed.py [--prompts 10000] [--tokens 128] [--words 90]
 Writes benchmarks/results/score_speed.json.
 """
 
@@ -38,8 +43,12 @@ def _rows(rng, n, k):
     return top.astype(np.float32), rng.integers(0, 32000, (n, k)).astype(np.int32)
 
 
-def _text(rng, n_words):
-    return " ".join(rng.choice(WORDS, n_words))
+TEXT_WORDS = 90  # about what 128 generated tokens of English come to
+IDENTICAL_SHARE = 0.3
+
+
+def _text(rng, n_words=None):
+    return " ".join(rng.choice(WORDS, n_words or TEXT_WORDS))
 
 
 def make_run(path: Path, kind: str, prompts: int, tokens: int, k: int, golden=None, seed=0, shard=1000) -> None:
@@ -50,10 +59,10 @@ def make_run(path: Path, kind: str, prompts: int, tokens: int, k: int, golden=No
         n = s.count * tokens
         top_lp, top_ids = _rows(rng, n, k)
         out = rng.integers(0, 32000, (s.count, tokens)).astype(np.int32)
-        texts = [_text(rng, 20) for _ in range(s.count)]
+        texts = [_text(rng) for _ in range(s.count)]
         if golden is not None:
             g_out = golden["out"][s.start:s.start + s.count]
-            same = rng.random(s.count) < 0.3
+            same = rng.random(s.count) < IDENTICAL_SHARE
             div = rng.integers(0, tokens, s.count)
             for i in range(s.count):
                 out[i, :div[i]] = g_out[i, :div[i]]
@@ -96,36 +105,51 @@ _GOLDEN: dict = {}
 
 
 def main() -> None:
+    global TEXT_WORDS, IDENTICAL_SHARE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=10_000)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--words", type=int, default=TEXT_WORDS)
+    parser.add_argument("--identical", type=float, default=IDENTICAL_SHARE,
+                        help="share of candidate prompts identical to the golden (noise-like candidates: 0.7-0.95)")
     args = parser.parse_args()
-    from regress.scoring import score_runs
+    TEXT_WORDS, IDENTICAL_SHARE = args.words, args.identical
+    from regress.scoring import build_metrics, score_runs
     from regress.verdict import Thresholds
 
     with tempfile.TemporaryDirectory() as tmp:
-        g_path, c_path = Path(tmp) / "golden", Path(tmp) / "cand"
+        g_path, c_path, c2_path = Path(tmp) / "golden", Path(tmp) / "cand", Path(tmp) / "cand2"
         make_run(g_path, "golden", args.prompts, args.tokens, 5, seed=1)
         state = _GOLDEN[str(g_path)]
-        make_run(c_path, "replay", args.prompts, args.tokens, 5,
-                 golden={"out": np.concatenate(state["out"]), "texts": state["texts"]}, seed=2)
+        golden_state = {"out": np.concatenate(state["out"]), "texts": state["texts"]}
+        make_run(c_path, "replay", args.prompts, args.tokens, 5, golden=golden_state, seed=2)
+        make_run(c2_path, "replay", args.prompts, args.tokens, 5, golden=golden_state, seed=3)
         sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*")) for p in (g_path, c_path)}
         t0 = time.perf_counter()
-        golden, run = load_run(g_path), load_run(c_path)
+        golden, run, run2 = load_run(g_path), load_run(c_path), load_run(c2_path)
         load_s = time.perf_counter() - t0
+        cache = Path(tmp) / "cache"
+        plain = Thresholds(metrics=["exact_tokens", "divergence_point", "prefix_logprobs", "teacher_forced", "surface"])
+        full = Thresholds()
         results = {}
-        for label, metrics in (("without_semantic", [m for m in ("exact_tokens", "divergence_point", "prefix_logprobs",
-                                                                  "teacher_forced", "surface")]),
-                               ("with_semantic", None)):
-            t = Thresholds(metrics=metrics)
+
+        def timed(label, t, candidate, **kw):
+            metrics = build_metrics(t, **kw)
             t0 = time.perf_counter()
-            report = score_runs(golden, run, t)
-            results[label] = {"seconds": round(time.perf_counter() - t0, 2),
-                              "identical": report.metrics.identical, "prompts": report.metrics.prompts}
+            report = score_runs(golden, candidate, t, metrics=metrics)
+            results[label] = {"seconds": round(time.perf_counter() - t0, 2), "identical": report.metrics.identical,
+                              "prompts": report.metrics.prompts}
             print(label, results[label], flush=True)
-    summary = {"prompts": args.prompts, "tokens": args.tokens, "top_k": 5, "cpu_count": os.cpu_count(),
+
+        timed("without_semantic", plain, run)
+        timed("semantic_cold", full, run, cache_dir=cache)
+        timed("semantic_second_candidate_golden_cached", full, run2, cache_dir=cache)
+        timed("semantic_rescore_all_cached", full, run, cache_dir=cache)
+    summary = {"prompts": args.prompts, "tokens": args.tokens, "words_per_text": args.words, "top_k": 5,
+               "identical_share": args.identical,
+               "cpu_count": os.cpu_count(), "semantic_precision": full.semantic_precision,
                "load_runs_s": round(load_s, 2), "run_sizes_bytes": sizes, **results}
-    out = REPO / "benchmarks" / "results" / "score_speed.json"
+    out = REPO / "benchmarks" / "results" / f"score_speed_identical{args.identical}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -219,8 +219,12 @@ def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_di
     run = load_run(run_dir or p.run_dir(spec.name))
     prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
+    from regress.envs import regress_home
+    from regress.scoring import build_metrics
+
     with stderr_console.status(f"scoring '{spec.name}' against the golden"):
-        report = score_runs(golden_run, run, thresholds, tags=tags)
+        metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+        report = score_runs(golden_run, run, thresholds, tags=tags, metrics=metrics)
     out_dir = out or p.reports_dir() / spec.name
     write_score_outputs(report, out_dir)
     with stderr_console.status("writing the report"):

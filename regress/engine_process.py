@@ -101,6 +101,13 @@ class EngineProcess:
                 proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill(proc)
+        if proc is not None:
+            # The engine may have started helper processes (vLLM's multi-process mode); they share
+            # the engine's process group and must not outlive it.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self._shim is not None:
             self._shim.cleanup()
             self._shim = None

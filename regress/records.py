@@ -11,6 +11,7 @@ files (see :mod:`regress.storage`) and are exposed here as numpy views through
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -447,15 +448,17 @@ class RunManifest(_Record):
 # --------------------------------------------------------------------------------------
 
 
-class LogprobTrack(BaseModel):
+@dataclass(frozen=True, slots=True)
+class LogprobTrack:
     """Per-position logprobs along one token sequence.
 
     ``token_ids[i]`` is the token at position i (sampled, or the golden's when teacher
     forced), ``token_logprobs[i]`` its logprob, ``top_ids[i]`` / ``top_logprobs[i]`` the k
     most likely tokens at that position, best first (padded with -1 / -inf).
-    """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    A view over a run's columnar arrays, not a stored record (the shard file is the record):
+    a plain dataclass, because scoring 10,000 prompts builds tens of thousands of these.
+    """
 
     token_ids: np.ndarray
     """int32 [n]."""
@@ -467,10 +470,9 @@ class LogprobTrack(BaseModel):
     """float32 [n, k]."""
 
 
-class Generation(BaseModel):
-    """One prompt's result in one run."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One prompt's result in one run (a view over the run's arrays, like LogprobTrack)."""
 
     prompt_id: str
     """Id from the prompt set."""
@@ -486,8 +488,13 @@ class Generation(BaseModel):
     """Logprobs along the generated tokens."""
     teacher_forced: LogprobTrack | None = None
     """Logprobs along the golden's completion, fed to this candidate (replays only)."""
-    sampling: ResolvedSampling
-    """Sampling used for this prompt."""
+    sampling_data: dict[str, Any] = field(default_factory=dict)
+    """Sampling used for this prompt, as stored (see ``sampling``)."""
+
+    @property
+    def sampling(self) -> ResolvedSampling:
+        """Sampling used for this prompt."""
+        return ResolvedSampling.model_validate(self.sampling_data)
 
 
 # --------------------------------------------------------------------------------------

@@ -332,4 +332,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    # Everything the orchestrator needs is on disk and acknowledged. Skip the engine's orderly
+    # teardown (about 5 s for vLLM on CPU, paid per candidate); the orchestrator reaps any child
+    # processes through the process group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from regress.errors import StorageError
-from regress.records import FORMAT_VERSION, Generation, LogprobTrack, ResolvedSampling, RunManifest
+from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest
 from regress.storage import atomic_write_text, read_shard
 
 MANIFEST = "manifest.json"
@@ -150,7 +150,7 @@ class RunResult:
                 top_ids=a["out_top_ids"][out], top_logprobs=a["out_top_logprobs"][out],
             ),
             teacher_forced=forced,
-            sampling=ResolvedSampling.model_validate(self.sampling[i]),
+            sampling_data=self.sampling[i],
         )
 
 

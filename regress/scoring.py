@@ -24,13 +24,15 @@ METRICS_FILE = "metrics.json"
 ProgressFn = Callable[[int], None]
 
 
-def build_metrics(t: Thresholds, *, encoder: Any = None) -> list[tuple[Any, Any]]:
-    """(MetricInfo, configured function) for every metric in force."""
+def build_metrics(t: Thresholds, *, encoder: Any = None, cache_dir: Path | None = None) -> list[tuple[Any, Any]]:
+    """(MetricInfo, configured function) for every metric in force. ``cache_dir`` keeps
+    sentence embeddings between runs (default: in memory only)."""
     built = []
     for name in t.metrics or DEFAULT_METRICS:
         info = get_metric(name)
         if name == "semantic":
-            fn = info.factory(model=t.semantic_model, encoder=encoder)
+            fn = info.factory(model=t.semantic_model, encoder=encoder, precision=t.semantic_precision,
+                              cache_dir=cache_dir)
         else:
             fn = info.factory()
         built.append((info, fn))

@@ -25,7 +25,7 @@ thresholds were measured.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -64,6 +64,8 @@ class Thresholds(BaseModel):
     """The run fails when more prompts than this are regressions."""
     semantic_model: str | None = None
     """sentence-transformers model for the semantic metric (default: bundled all-MiniLM-L6-v2)."""
+    semantic_precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Embedding precision: auto = bfloat16 on CPUs with AMX (2.3x faster, cosines within 0.006)."""
     metrics: list[str] | None = None
     """Metrics to compute (default: all built in). Drop 'semantic' to skip embeddings."""
 

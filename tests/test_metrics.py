@@ -21,8 +21,7 @@ def track(tokens, token_lp, top_ids, top_lp) -> LogprobTrack:
 def gen(tokens, token_lp, top_ids, top_lp, *, prompt=(1, 2, 3), text=None, tf=None) -> Generation:
     return Generation(prompt_id="p", prompt_token_ids=np.asarray(prompt, np.int32),
                       output_token_ids=np.asarray(tokens, np.int32), text=text if text is not None else " ".join(map(str, tokens)),
-                      finish_reason="length", free_run=track(tokens, token_lp, top_ids, top_lp), teacher_forced=tf,
-                      sampling=ResolvedSampling())
+                      finish_reason="length", free_run=track(tokens, token_lp, top_ids, top_lp), teacher_forced=tf)
 
 
 LN = math.log

@@ -11,6 +11,7 @@ Adding a metric is adding one decorated factory to a module listed in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Union
 
 import numpy as np
@@ -31,6 +32,11 @@ class Pair:
     @property
     def prompt_id(self) -> str:
         return self.golden.prompt_id
+
+    @cached_property
+    def divergence(self) -> int | None:
+        """First differing output position (None when identical); computed once per pair."""
+        return first_divergence(self.golden.output_token_ids, self.candidate.output_token_ids)
 
 
 PairMetric = Callable[[Pair], Values]

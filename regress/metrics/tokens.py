@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from regress.metrics.base import Pair, Values, first_divergence, metric
+from regress.metrics.base import Pair, Values, metric
 
 
 @metric(
@@ -20,7 +20,7 @@ from regress.metrics.base import Pair, Values, first_divergence, metric
 def exact_tokens() -> "callable":
     def score(pair: Pair) -> Values:
         g, c = pair.golden, pair.candidate
-        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        d = pair.divergence
         return {
             "input_drift": not np.array_equal(g.prompt_token_ids, c.prompt_token_ids),
             "identical": d is None,
@@ -48,7 +48,7 @@ def divergence_point() -> "callable":
 
     def score(pair: Pair) -> Values:
         g, c = pair.golden, pair.candidate
-        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        d = pair.divergence
         empty: Values = {"golden_margin": None, "candidate_margin": None,
                          "golden_token_in_candidate_topk": None, "candidate_token_in_golden_topk": None}
         if d is None or d >= len(g.output_token_ids) or d >= len(c.output_token_ids):
@@ -82,7 +82,7 @@ def prefix_logprobs() -> "callable":
 
     def score(pair: Pair) -> Values:
         g, c = pair.golden, pair.candidate
-        d = first_divergence(g.output_token_ids, c.output_token_ids)
+        d = pair.divergence
         n = len(g.output_token_ids) if d is None else d
         if n == 0:
             return {"prefix_max_abs_delta": None, "prefix_mean_abs_delta": None}
