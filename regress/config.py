@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -49,8 +49,19 @@ class Paths(BaseModel):
     """Golden run directory (DVC-tracked)."""
     runs: str = "runs"
     """One replay directory per candidate: ``runs/<name>``."""
+    scores: str = "scores"
+    """Per candidate ``scores/<name>/scores.json`` and ``metrics.json`` (DVC metrics)."""
     reports: str = "reports"
     """Reports: ``reports/index.html`` and ``reports/<name>/``."""
+
+
+class QuantizeJob(BaseModel):
+    """One checkpoint for the quantize stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scheme: Literal["W8A8", "W4A16", "W8A16", "FP8_DYNAMIC"]
+    """llm-compressor preset scheme."""
 
 
 class _ParamsFile(BaseModel):
@@ -66,6 +77,8 @@ class _ParamsFile(BaseModel):
     """Candidates by name; each lists only how it differs from the baseline."""
     thresholds: dict[str, Any] = Field(default_factory=dict)
     """Verdict thresholds (see regress.verdict)."""
+    quantize: dict[str, QuantizeJob] = Field(default_factory=dict)
+    """Checkpoints the pipeline's quantize stage makes: name -> llm-compressor scheme."""
     paths: Paths = Field(default_factory=Paths)
     """Output locations."""
 
@@ -101,6 +114,9 @@ class Params:
 
     def run_dir(self, name: str) -> Path:
         return self.root / self.paths.runs / name
+
+    def scores_dir(self) -> Path:
+        return self.root / self.paths.scores
 
     def reports_dir(self) -> Path:
         return self.root / self.paths.reports

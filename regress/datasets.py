@@ -21,6 +21,8 @@ from regress.records import DatasetCard, DatasetRef, PromptRecord
 from regress.validation import all_errors
 
 MAX_REPORTED_PROBLEMS = 50
+DEMO_PROMPTS = Path(__file__).parent / "data" / "prompts" / "demo.jsonl"
+"""The demo prompt set shipped with regress (English, Chinese, code, long context, chat)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,16 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
         card_path=card_file if card_raw else None,
     )
     return prompt_set, []
+
+
+def write_demo_prompts(out_dir: str | Path) -> Path:
+    """Copy the demo prompt set and its card into ``out_dir`` (atomically); returns the .jsonl path."""
+    from regress.storage import atomic_write_bytes
+
+    out_dir = Path(out_dir)
+    for source in (DEMO_PROMPTS, card_path_for(DEMO_PROMPTS)):
+        atomic_write_bytes(out_dir / source.name, source.read_bytes())
+    return out_dir / DEMO_PROMPTS.name
 
 
 def load_prompt_set(path: str | Path) -> PromptSet:

