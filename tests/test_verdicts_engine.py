@@ -2,8 +2,9 @@
 fixture model) and checked through `regress check` (exit 0 pass, 1 regression).
 
 Expected classes were measured on this machine (see docs/verdicts.md) and are pinned with room
-for another CPU's rounding: noise candidates (dtype, batch composition) must never be called a
-regression; damage (a perturbed layer, 4-bit weights) must fail.
+for another CPU's rounding: noise candidates (dtype, batch composition, int8 weights) must never
+be called a regression; damage (a perturbed layer) must fail. The demo's FP8 KV cache and W4A16
+candidates are pinned in test_pipeline.py, where `dvc repro` runs them anyway.
 """
 
 from __future__ import annotations
@@ -32,19 +33,18 @@ def verdict_workspace(workspace: Path, golden_dir: Path, fixture_model: Path, tm
     params["candidates"].update({
         "float32": {"dtype": "float32"},
         "perturbed": {"model": str(models / "perturbed")},
-        "fp8-kv": {"engine_args": {"kv_cache_dtype": "fp8"}},
     })
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return workspace
 
 
 @pytest.fixture(scope="session")
-def quantized_models(candidate_envs, fixture_model: Path, tmp_path_factory) -> dict[str, Path]:
-    """W8A8 and W4A16 compressed-tensors checkpoints made by llm-compressor in its own env."""
+def w8a8_model(candidate_envs, fixture_model: Path, tmp_path_factory) -> Path:
+    """A W8A8 compressed-tensors checkpoint made by llm-compressor in its own environment
+    (the demo pipeline's W4A16 and FP8 KV cache candidates are pinned in test_pipeline.py)."""
     from regress.quantize import quantize_model
 
-    out = tmp_path_factory.mktemp("quantized")
-    return {s: quantize_model(fixture_model, out / s.lower(), scheme=s) for s in ("W8A8", "W4A16")}
+    return quantize_model(fixture_model, tmp_path_factory.mktemp("quantized") / "w8a8", scheme="W8A8")
 
 
 def check(workspace: Path, candidate: str, *extra: str) -> tuple[int, Counter, dict]:
@@ -94,27 +94,12 @@ def test_perturbed_layer_is_a_regression(verdict_workspace):
     assert metrics["mean_teacher_forced_kl"] > 0.05 and metrics["same_top1_rate"] < 0.9
 
 
-def test_fp8_kv_cache_is_pinned(verdict_workspace):
-    # Measured: 17 identical, 20 drift, 3 regression (two confident golden choices overturned,
-    # one output that lost its meaning after a non-tie flip); teacher-forced KL 0.007.
-    code, classes, metrics = check(verdict_workspace, "fp8-kv")
-    assert code == 1
-    assert 10 <= classes["identical"] <= 25 and 1 <= classes["regression"] <= 8
-    assert 0.001 < metrics["mean_teacher_forced_kl"] < 0.03
-
-
 @pytest.mark.envs
-def test_w8a8_is_noise_and_w4a16_is_a_regression(verdict_workspace, quantized_models):
+def test_w8a8_is_noise_not_regression(verdict_workspace, w8a8_model):
     params = yaml.safe_load((verdict_workspace / "params.yaml").read_text())
-    for scheme, path in quantized_models.items():
-        params["candidates"][scheme.lower()] = {"model": str(path), "quantization": "compressed-tensors"}
+    params["candidates"]["w8a8"] = {"model": str(w8a8_model), "quantization": "compressed-tensors"}
     (verdict_workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-    # Measured W8A8: 29 identical, 6 benign, 5 drift, 0 regression (KL 0.0006).
+    # Measured: 29 identical, 6 benign, 5 drift, 0 regression (KL 0.0006).
     code, classes, metrics = check(verdict_workspace, "w8a8")
     assert code == 0 and classes["regression"] == 0 and classes["identical"] >= 22
     assert metrics["mean_teacher_forced_kl"] < 0.005
-    # Measured W4A16: 12 identical, 17 drift, 11 regression (KL 0.037, same top-1 92 %).
-    code, classes, metrics = check(verdict_workspace, "w4a16")
-    assert code == 1 and classes["regression"] >= 5
-    assert metrics["mean_teacher_forced_kl"] > 0.01
