@@ -138,3 +138,14 @@ def test_an_up_to_date_run_is_reused_and_force_reruns_it(tmp_path):
     # A changed plan (another shard size) is not "up to date".
     assert run_cli("golden", "--shard-size", "5", cwd=project).returncode == 0
     assert load_run(project / "golden").manifest.layout.shard_size == 5
+
+
+def test_chat_prompt_on_a_model_without_template_is_an_input_error(tmp_path):
+    project = _project(tmp_path, prompts=2)
+    with open(project / "p.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    result = run_cli("golden", cwd=project)
+    assert result.returncode == 2, result.stderr
+    assert "prompt 'chat'" in result.stderr and "no chat template" in result.stderr
+    assert "chat_template" in result.stderr  # names the documented fallback
+    assert not (project / "golden").exists()
