@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from regress.backends import check_backend_name
 from regress.errors import ConfigError
 from regress.records import CandidateSpec
-from regress.validation import first_error
+from regress.validation import first_error, yaml_key_lines
 
 DEFAULT_PARAMS = "params.yaml"
 _MERGED_MAPPINGS = ("engine_args", "env", "sampling")
@@ -141,23 +141,6 @@ def merge_candidate(baseline: dict[str, Any], overrides: dict[str, Any]) -> dict
     return merged
 
 
-def _key_lines(text: str) -> dict[str, int]:
-    lines: dict[str, int] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[path] = key_node.start_mark.line + 1
-                walk(value_node, path)
-
-    try:
-        walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
-    return lines
-
-
 def _line_for(lines: dict[str, int], dotted: str) -> int | None:
     parts = dotted.split(".")
     while parts:
@@ -213,7 +196,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
                           line=mark.line + 1 if mark else None) from exc
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping", file=path, line=1)
-    lines = _key_lines(text)
+    lines = yaml_key_lines(text)
     try:
         parsed = _ParamsFile.model_validate(raw)
     except ValidationError as exc:

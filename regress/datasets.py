@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from regress.errors import DatasetError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
-from regress.validation import all_errors
+from regress.validation import all_errors, yaml_key_lines
 
 MAX_REPORTED_PROBLEMS = 50
 DEMO_PROMPTS = Path(__file__).parent / "data" / "prompts" / "demo.jsonl"
@@ -89,29 +89,11 @@ def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
     try:
         return DatasetCard.model_validate(data), raw, []
     except ValidationError as exc:
-        lines = _yaml_key_lines(raw.decode("utf-8"))
+        lines = yaml_key_lines(raw.decode("utf-8"))
         problems = []
         for where, message in all_errors(exc, DatasetCard):
             problems.append(DatasetError(message, file=path, line=lines.get(where or ""), field=where))
         return DatasetCard(), raw, problems
-
-
-def _yaml_key_lines(text: str) -> dict[str, int]:
-    """Dotted key path -> 1-based line, for error messages."""
-    lines: dict[str, int] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[path] = key_node.start_mark.line + 1
-                walk(value_node, path)
-
-    try:
-        walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
-    return lines
 
 
 def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetError]]:

@@ -5,7 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ValidationError
+
+
+def yaml_key_lines(text: str) -> dict[str, int]:
+    """Dotted key path -> 1-based line of every mapping key in a YAML document (for messages)."""
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+                lines[path] = key_node.start_mark.line + 1
+                walk(value_node, path)
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
 
 
 def field_path(loc: tuple[Any, ...]) -> str:
