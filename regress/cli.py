@@ -41,8 +41,31 @@ app.add_typer(env_app, name="env")
 ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
 
 
+ExecutorOption = typer.Option(
+    None, "--executor", "-e",
+    help="Where shards run: 'local' (this machine, no broker) or 'celery' (workers over Redis). Default: params' executor.",
+)
+QueueOption = typer.Option(None, "--queue", help="Celery queue for the shards (default: params' celery.queue).")
+
+
 def _out(message: str) -> None:
     typer.echo(message)
+
+
+def _executor(p, choice: Optional[str], queue: Optional[str]):  # type: ignore[no-untyped-def]
+    """The executor a command asked for (option, then params.yaml); ``None`` means local."""
+    from regress.errors import ConfigError
+
+    kind = choice or p.executor
+    if kind == "local":
+        if queue:
+            raise ConfigError("--queue only applies with --executor celery", field="--queue")
+        return None
+    if kind != "celery":
+        raise ConfigError(f"must be 'local' or 'celery', got '{kind}'", field="--executor")
+    from regress.worker.executor import CeleryExecutor
+
+    return CeleryExecutor(p.celery, queue=queue)
 
 
 # --------------------------------------------------------------------------------------
@@ -130,6 +153,8 @@ def golden(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Golden directory (default: params' paths.golden)."),
     shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per engine batch (default: params' shard_size)."),
     force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date golden exists."),
+    executor: Optional[str] = ExecutorOption,
+    queue: Optional[str] = QueueOption,
 ) -> None:
     """Run the baseline over the prompt set and write the golden outputs."""
     from regress.config import load_params
@@ -143,7 +168,7 @@ def golden(
     out_dir = out or p.golden_dir()
     with RichReporter(f"golden '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter,
-                              force=force)
+                              force=force, executor=_executor(p, executor, queue))
     _summarise(manifest, out_dir)
 
 
@@ -157,6 +182,8 @@ def replay(
     shard_size: Optional[int] = typer.Option(None, min=1, help="Prompts per batch (default: the golden's, so batches match)."),
     teacher_force: bool = typer.Option(True, help="Also score the golden completions teacher-forced."),
     force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date run exists."),
+    executor: Optional[str] = ExecutorOption,
+    queue: Optional[str] = QueueOption,
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
     from regress.config import load_params
@@ -172,7 +199,8 @@ def replay(
     out_dir = out or p.run_dir(spec.name)
     with RichReporter(f"replay '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
-                              teacher_force=teacher_force, reporter=reporter, force=force)
+                              teacher_force=teacher_force, reporter=reporter, force=force,
+                              executor=_executor(p, executor, queue))
     _summarise(manifest, out_dir)
 
 
@@ -204,36 +232,12 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
 
 def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_dir: Optional[Path],
            out: Optional[Path], *, with_report: bool = True):  # type: ignore[no-untyped-def]
-    """Score a candidate; write scores.json and metrics.json, and (unless told not to) its report."""
+    from regress.checks import score_candidate
     from regress.config import load_params
-    from regress.datasets import load_prompt_set
-    from regress.envs import regress_home
-    from regress.report import refresh_index, write_candidate_report
-    from regress.runs import load_run
-    from regress.scoring import build_metrics, score_runs, write_score_outputs
-    from regress.verdict import Thresholds
 
     p = load_params(params_path)
-    spec = p.candidate(candidate)
-    thresholds = Thresholds.from_params(p.thresholds, file=str(p.path))
-    golden_run = load_run(golden_dir or p.golden_dir())
-    run = load_run(run_dir or p.run_dir(spec.name))
-    prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
-    tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
-    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
-        metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-        report = score_runs(golden_run, run, thresholds, tags=tags, metrics=metrics)
-    scores_dir = out or p.scores_dir() / spec.name
-    write_score_outputs(report, scores_dir)
-    page = None
-    if with_report:
-        with stderr_console.status("writing the report"):
-            # A report written elsewhere (--out) has no reports/index.html to link back to.
-            page = write_candidate_report(report, golden_run, run, prompt_set, out or p.reports_dir() / spec.name,
-                                          index_link=None if out else "../index.html")
-            if out is None:
-                refresh_index(p.reports_dir(), p.scores_dir())
-    return report, scores_dir, page
+    return score_candidate(p, p.candidate(candidate), golden_dir=golden_dir, run_dir=run_dir, out=out,
+                           with_report=with_report)
 
 
 @app.command()
@@ -246,9 +250,9 @@ def score(
     with_report: bool = typer.Option(True, "--report/--no-report", help="Also write the HTML report, JUnit and summary."),
 ) -> None:
     """Score a replayed candidate against the golden: classes, metrics.json (and the report)."""
-    report, scores_dir, page = _score(params, candidate, golden_dir, run_dir, out, with_report=with_report)
-    _print_scores(report)
-    _out(f"scores: {scores_dir}" + (f"  report: {page}" if page else ""))
+    scored = _score(params, candidate, golden_dir, run_dir, out, with_report=with_report)
+    _print_scores(scored.report)
+    _out(f"scores: {scored.scores_dir}" + (f"  report: {scored.page}" if scored.page else ""))
 
 
 @app.command()
@@ -257,26 +261,23 @@ def check(
     params: Path = ParamsOption,
     golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
     force: bool = typer.Option(False, "--force", help="Replay again even if an up-to-date run exists."),
+    executor: Optional[str] = ExecutorOption,
+    queue: Optional[str] = QueueOption,
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
+    from regress.checks import run_check
     from regress.config import load_params
-    from regress.datasets import load_prompt_set
     from regress.progress import RichReporter
-    from regress.replay import replay as run_replay
-    from regress.runs import load_run
 
     p = load_params(params)
     spec = p.candidate(candidate)
-    prompt_set = load_prompt_set(p.dataset)
-    golden_run = load_run(golden_dir or p.golden_dir())
     with RichReporter(f"replay '{spec.name}'") as reporter:
-        manifest = run_replay(spec, prompt_set, p.run_dir(spec.name), golden=golden_run, reporter=reporter,
-                              force=force)
-    _summarise(manifest, p.run_dir(spec.name))
-    report, _, page = _score(params, candidate, golden_dir, None, None)
-    _print_scores(report)
-    _out(f"report: {page}")
-    if report.metrics.verdict == "fail":
+        result = run_check(p, spec, golden_dir=golden_dir, executor=_executor(p, executor, queue),
+                           reporter=reporter, force=force)
+    _summarise(result.manifest, p.run_dir(spec.name))
+    _print_scores(result.scored.report)
+    _out(f"report: {result.scored.page}")
+    if result.verdict == "fail":
         raise typer.Exit(EXIT_REGRESSION)
 
 
@@ -342,6 +343,35 @@ def gate(
     _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
     if failed and fail:
         raise typer.Exit(EXIT_REGRESSION)
+
+
+@app.command()
+def worker(
+    queue: Optional[list[str]] = typer.Option(None, "--queue", "-Q", help="Queue(s) to take shards from (repeatable; default: params' celery.queue). One queue per GPU kind or candidate environment routes work."),
+    broker: Optional[str] = typer.Option(None, "--broker", help="Redis URL (default: $REGRESS_BROKER_URL, then params' celery.broker_url). rediss:// for TLS."),
+    visibility_timeout: Optional[float] = typer.Option(None, "--visibility-timeout", min=1, help="Seconds before an unacknowledged shard goes to another worker; must exceed the longest shard."),
+    max_engines: int = typer.Option(1, "--max-engines", min=1, help="Engines kept warm at once (one per candidate; a GPU usually holds one)."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="Worker name (default: regress-PID@host)."),
+    loglevel: str = typer.Option("INFO", "--loglevel", help="Celery log level."),
+    params: Path = typer.Option(Path("params.yaml"), "--params", "-p", help="Read celery settings from this params file if it exists."),
+) -> None:
+    """Run a Celery worker that replays shards (one at a time, engine kept warm per candidate).
+
+    Start one per GPU; point every worker and the orchestrator at the same Redis and the same
+    results storage. Stop with Ctrl-C or SIGTERM: the running shard finishes first."""
+    from regress.worker.process import run_worker
+    from regress.worker.settings import CelerySettings
+
+    settings = CelerySettings()
+    if params.is_file():
+        from regress.config import load_params
+
+        settings = load_params(params).celery
+    settings = settings.with_environment()
+    updates = {k: v for k, v in {"broker_url": broker, "visibility_timeout_s": visibility_timeout}.items() if v is not None}
+    if updates:
+        settings = CelerySettings.model_validate({**settings.model_dump(), **updates})
+    run_worker(settings, queues=queue or [settings.queue], name=name, max_engines=max_engines, loglevel=loglevel)
 
 
 @app.command("demo-prompts")
@@ -431,6 +461,11 @@ def env_path_cmd(
 
 
 # --------------------------------------------------------------------------------------
+
+
+from regress.watch.cli import register as register_watch  # noqa: E402  (adds `regress watch`)
+
+register_watch(app)
 
 
 def main() -> None:

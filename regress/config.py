@@ -35,6 +35,7 @@ from regress.backends import check_backend_name
 from regress.errors import ConfigError
 from regress.records import CandidateSpec
 from regress.validation import first_error, yaml_key_lines
+from regress.worker.settings import CelerySettings
 
 DEFAULT_PARAMS = "params.yaml"
 _MERGED_MAPPINGS = ("engine_args", "env", "sampling")
@@ -81,6 +82,12 @@ class _ParamsFile(BaseModel):
     """Checkpoints the pipeline's quantize stage makes: name -> llm-compressor scheme."""
     paths: Paths = Field(default_factory=Paths)
     """Output locations."""
+    executor: Literal["local", "celery"] = "local"
+    """Where shards run: ``local`` (this machine, no broker) or ``celery`` (workers over Redis)."""
+    celery: CelerySettings = Field(default_factory=CelerySettings)
+    """Broker settings for the Celery executor and ``regress worker`` (REGRESS_* variables win)."""
+    watch: dict[str, Any] = Field(default_factory=dict)
+    """Release watcher settings (validated by regress.watch.config)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ class Params:
     candidates: dict[str, CandidateSpec]
     thresholds: dict[str, Any] = field(default_factory=dict)
     paths: Paths = field(default_factory=Paths)
+    executor: str = "local"
+    celery: CelerySettings = field(default_factory=CelerySettings)
+    watch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -223,4 +233,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         candidates=candidates,
         thresholds=parsed.thresholds,
         paths=parsed.paths,
+        executor=parsed.executor,
+        celery=parsed.celery,
+        watch=parsed.watch,
     )

@@ -74,7 +74,7 @@ class EngineProcess:
             self._proc = subprocess.Popen(
                 [str(self.python), "-m", "regress.runner"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                cwd=self._shim.name, start_new_session=True,
+                cwd=self._shim.name, start_new_session=True, preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             raise EngineError(f"cannot start {self.python}: {exc}", candidate=self.candidate.name) from exc
@@ -211,6 +211,21 @@ class EngineProcess:
             f"Last lines of the engine log ({self.log_path}):\n{tail}",
             candidate=self.candidate.name, retryable=True, log=str(self.log_path),
         )
+
+
+def _die_with_parent() -> None:
+    """In the engine process, before exec: be killed when the process that started it dies.
+
+    A Celery worker killed with SIGKILL cannot close its engine; without this the engine
+    would finish its shard as an orphan, holding the GPU the replacement worker needs.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the orchestrator's killpg still applies
+        pass
 
 
 def _absolute_paths(spec: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,8 @@ Requests::
     {"op": "load", "spec": {...}}                       -> {"ok": true, "info": {...}}
     {"op": "shard", "index": 0, "prompts": [...], "teacher_force": [...] | null,
      "out": "path/shard-00000.rshard", "meta": {...}}   -> progress events, then {"ok": true, ...}
+    {"op": "memory"}                                    -> {"ok": true, "memory": {...}}
+    {"op": "vocab", "out": "path/tokens.json"}          -> {"ok": true}
     {"op": "exit"}
 
 A failed request answers ``{"ok": false, "error": {"type", "message", "traceback"}}`` and the
@@ -182,6 +184,10 @@ class Runner:
             return self.shard(request)
         if op == "memory":
             return {"memory": _memory()}
+        if op == "vocab":
+            # A warm engine serving a new run (a Celery worker) writes the vocabulary there too.
+            self.write_vocabulary(request["out"])
+            return {}
         raise ValueError(f"unknown op {op!r}")
 
     def load(self, spec: dict[str, Any]) -> dict[str, Any]:

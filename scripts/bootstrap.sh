@@ -30,15 +30,19 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# System packages some tests need (Debian): ensure_apt COMMAND PACKAGE...
+# System packages some tests need (Debian): ensure_apt COMMAND:PACKAGE... installs, with one
+# apt-get update, the packages whose command is missing.
 ensure_apt() {
-  local cmd="$1"; shift
-  command -v "$cmd" >/dev/null 2>&1 && return 0
+  local missing=() pair
+  for pair in "$@"; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  log "installing $* (apt-get)"
+  log "installing ${missing[*]} (apt-get)"
   $sudo apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
 export PATH="$VENV/bin:$PATH"

@@ -133,3 +133,32 @@ def golden_dir(workspace: Path) -> Path:
     result = run_cli("golden", cwd=workspace)
     assert result.returncode == 0, result.stderr
     return workspace / "golden"
+
+
+@pytest.fixture(scope="session")
+def same_run(workspace: Path, golden_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`regress replay same` (the baseline again, local executor) into runs/same, once per session."""
+    result = run_cli("replay", "same", cwd=workspace)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server on loopback for the whole session (persistence on). Tests that restart
+    or break Redis start their own with redis_process.RedisServer."""
+    from redis_process import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path):
+    """A redis-server of this test's own (some tests restart or stop it)."""
+    from redis_process import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()

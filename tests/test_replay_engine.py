@@ -43,9 +43,8 @@ def test_golden_records_outputs_logprobs_and_how_it_was_made(golden_dir, fixture
     assert chats and all(len(g.prompt_token_ids) > 0 for g in chats)
 
 
-def test_baseline_replayed_against_its_golden_is_identical(workspace, golden_dir):
-    result = run_cli("replay", "same", cwd=workspace)
-    assert result.returncode == 0, result.stderr
+def test_baseline_replayed_against_its_golden_is_identical(workspace, golden_dir, same_run):
+    result = same_run
     assert "teacher forcing" in result.stderr and "40/40" in result.stderr  # the progress bars
     golden, run = load_run(golden_dir), load_run(workspace / "runs" / "same")
     assert run.manifest.kind == "replay" and run.manifest.teacher_forced

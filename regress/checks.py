@@ -1,0 +1,101 @@
+"""A regression check as one call: replay a candidate, score it, write its report.
+
+The CLI (``regress check``), the release watcher and its Celery task all run checks through
+here, so a check means the same thing whoever starts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from regress.config import Params
+from regress.records import CandidateSpec, RunManifest, ScoreReport
+
+if TYPE_CHECKING:
+    from regress.replay import Executor, Reporter
+
+
+@dataclass(frozen=True)
+class ScoredCandidate:
+    """Where a scored candidate's outputs went."""
+
+    report: ScoreReport
+    scores_dir: Path
+    page: Path | None
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """A finished check: the run's manifest, the scores and the report page."""
+
+    manifest: RunManifest
+    scored: ScoredCandidate
+
+    @property
+    def verdict(self) -> str:
+        return self.scored.report.metrics.verdict
+
+
+def score_candidate(
+    params: Params,
+    spec: CandidateSpec,
+    *,
+    golden_dir: Path | None = None,
+    run_dir: Path | None = None,
+    out: Path | None = None,
+    with_report: bool = True,
+) -> ScoredCandidate:
+    """Score a replayed candidate; write scores.json and metrics.json, and (unless told not to)
+    its report. ``out`` writes scores and report there instead of scores/ and reports/."""
+    from regress.datasets import load_prompt_set
+    from regress.envs import regress_home
+    from regress.progress import stderr_console
+    from regress.report import refresh_index, write_candidate_report
+    from regress.runs import load_run
+    from regress.scoring import build_metrics, score_runs, write_score_outputs
+    from regress.verdict import Thresholds
+
+    thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
+    golden_run = load_run(golden_dir or params.golden_dir())
+    run = load_run(run_dir or params.run_dir(spec.name))
+    prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
+    tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
+    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
+        metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+        report = score_runs(golden_run, run, thresholds, tags=tags, metrics=metrics)
+    scores_dir = out or params.scores_dir() / spec.name
+    write_score_outputs(report, scores_dir)
+    page = None
+    if with_report:
+        with stderr_console.status("writing the report"):
+            # A report written elsewhere (--out) has no reports/index.html to link back to.
+            page = write_candidate_report(report, golden_run, run, prompt_set,
+                                          out or params.reports_dir() / spec.name,
+                                          index_link=None if out else "../index.html")
+            if out is None:
+                refresh_index(params.reports_dir(), params.scores_dir())
+    return ScoredCandidate(report, scores_dir, page)
+
+
+def run_check(
+    params: Params,
+    spec: CandidateSpec,
+    *,
+    golden_dir: Path | None = None,
+    executor: "Executor | None" = None,
+    reporter: "Reporter | None" = None,
+    force: bool = False,
+) -> CheckResult:
+    """Replay ``spec`` against the golden into runs/<name>, score it and write its report."""
+    from regress.datasets import load_prompt_set
+    from regress.replay import replay
+    from regress.runs import load_run
+
+    prompt_set = load_prompt_set(params.dataset)
+    golden_run = load_run(golden_dir or params.golden_dir())
+    manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
+                      executor=executor, reporter=reporter, force=force)
+    scored = score_candidate(params, spec, golden_dir=golden_dir)
+    return CheckResult(manifest, scored)

@@ -1,0 +1,102 @@
+"""The Celery app: Redis broker and result backend, JSON only, at-least-once delivery of shards.
+
+Why each setting:
+
+- JSON only (``accept_content``): a pickle message is code execution for whoever can write to
+  the broker; workers refuse it, and results come back as JSON too.
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a shard is acknowledged only after its
+  result file is written, so a worker that dies mid-shard leaves it on the broker for another.
+  Results are files keyed by (run, shard), so running a shard twice is harmless.
+- prefetch multiplier 1: a worker holds only the shard it is running; the rest stay on the
+  queue for other workers.
+- visibility timeout longer than the longest shard: Redis gives an unacknowledged shard to
+  another worker only after that long, so a slow shard is not run twice, and a dead worker's
+  shard comes back after it (``unacked_restore_interval`` checks every few seconds).
+- the ``solo`` pool: tasks run in the worker's main process, one at a time, so the warm engine
+  lives in one place. The engine itself always runs in its own subprocess (vLLM cannot run in a
+  daemonic prefork child).
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+from celery import Celery
+
+from regress.worker.settings import CelerySettings
+
+TASK_REPLAY_SHARD = "regress.replay_shard"
+"""Run one shard of a replay plan (regress.worker.tasks)."""
+
+TASK_MODULES = ["regress.worker.tasks", "regress.watch.tasks"]
+
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
+
+def _ssl_options(url: str, settings: CelerySettings) -> dict[str, Any] | None:
+    if not url.startswith("rediss://"):
+        return None
+    options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[settings.ssl_cert_reqs]}
+    if settings.ssl_ca_certs:
+        options["ssl_ca_certs"] = settings.ssl_ca_certs
+    return options
+
+
+def celery_config(settings: CelerySettings, *, with_tasks: bool = True) -> dict[str, Any]:
+    """The Celery configuration for these settings (also what the tests check).
+
+    ``with_tasks=False`` is for clients (the orchestrator): they send tasks by name and need
+    none of the task modules (nor what those import)."""
+    visibility = int(settings.visibility_timeout_s)
+    # Look for abandoned shards often enough that a dead worker's shard returns soon after the
+    # visibility timeout; each look is one cheap Redis command.
+    restore_interval = max(1, min(10, visibility // 4))
+    transport = {
+        "visibility_timeout": visibility,
+        "unacked_restore_interval": restore_interval,
+        "unacked_restore_throttle": 1,
+    }
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.backend_url,
+        "broker_use_ssl": _ssl_options(settings.broker_url, settings),
+        "redis_backend_use_ssl": _ssl_options(settings.backend_url, settings),
+        "broker_transport_options": transport,
+        "result_backend_transport_options": {"visibility_timeout": visibility},
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_track_started": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_pool": "solo",
+        "worker_concurrency": 1,
+        "task_default_queue": settings.queue,
+        "result_expires": 7 * 24 * 3600,
+        "result_extended": True,
+        "include": TASK_MODULES if with_tasks else [],
+        "worker_hijack_root_logger": False,
+    }
+
+
+def make_app(settings: CelerySettings | None = None, *, with_tasks: bool = True) -> Celery:
+    """A Celery app for ``settings`` (default: the environment's REGRESS_* variables)."""
+    settings = (settings or CelerySettings()).with_environment()
+    celery_app = Celery("regress")
+    celery_app.conf.update(celery_config(settings, with_tasks=with_tasks))
+    celery_app.conf.regress_settings = settings.model_dump()
+    return celery_app
+
+
+def configure(celery_app: Celery, settings: CelerySettings) -> None:
+    """Point an existing app (the module's ``app``) at other settings."""
+    celery_app.conf.update(celery_config(settings))
+    celery_app.conf.regress_settings = settings.model_dump()
+
+
+app = make_app()
+"""The app ``celery -A regress.worker.app`` and ``regress worker`` run; tasks register on it."""

@@ -1,0 +1,228 @@
+"""The orchestrator's side of the Celery executor: send shards as tasks, wait for their files.
+
+The results directory is the truth, not the broker: a shard is done when its result file with
+the plan's fingerprint is on disk (workers write it there; it must be shared storage when the
+workers are other machines). The broker's task states only say which shards failed. So a
+broker that restarts, or a task whose result was lost, cannot make a run look complete: the
+run is complete only when every shard's file is there, and otherwise the executor fails
+loudly, naming the shards it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from regress.errors import RunError
+from regress.replay import ENGINE_INFO_FILE, ExecutionReport, ReplayPlan, Reporter, ShardTask, shard_is_done, shard_message
+from regress.runs import VOCAB_FILE
+from regress.storage import atomic_write_text
+from regress.worker.settings import CelerySettings
+
+
+class BrokerError(RunError):
+    """The broker cannot be reached, or shards stopped arriving; names the broker (never its password)."""
+
+
+class ShardsFailedError(RunError):
+    """Shards of a run failed on the workers; the run is incomplete (finished shards are kept)."""
+
+
+@dataclass
+class _Tracked:
+    task: ShardTask
+    task_id: str
+    prompts: int
+    sent_at: float
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    sends: int = 1
+
+
+@dataclass
+class _Progress:
+    done: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+
+
+class CeleryExecutor:
+    """Runs a plan's shards on Celery workers (``regress worker``) over Redis.
+
+    ``stall_timeout_s``: fail if no shard finishes for this long (default: the visibility
+    timeout plus ten minutes, the longest a redelivered shard can take to come back).
+    ``broker_outage_s``: fail if the broker stays unreachable this long.
+    """
+
+    def __init__(self, settings: CelerySettings | None = None, *, queue: str | None = None,
+                 stall_timeout_s: float | None = None, broker_outage_s: float = 600, poll_s: float = 0.5):
+        self.settings = (settings or CelerySettings()).with_environment()
+        self.queue = queue or self.settings.queue
+        self.stall_timeout_s = (stall_timeout_s or self.settings.stall_timeout_s
+                                or self.settings.visibility_timeout_s + 600)
+        self.broker_outage_s = broker_outage_s
+        self.poll_s = poll_s
+
+    def _app(self):  # type: ignore[no-untyped-def]
+        from regress.worker.app import make_app
+
+        return make_app(self.settings, with_tasks=False)
+
+    def _payload(self, plan: ReplayPlan, run_dir: Path, task: ShardTask) -> dict[str, Any]:
+        return {
+            "candidate": plan.candidate.model_dump(mode="json"),
+            "message": shard_message(task, run_dir, plan.run_id),
+            "vocab_out": str((run_dir / VOCAB_FILE).resolve()),
+        }
+
+    def _send(self, app: Any, plan: ReplayPlan, run_dir: Path, tracked: _Tracked) -> None:
+        from regress.worker.app import TASK_REPLAY_SHARD
+
+        app.send_task(TASK_REPLAY_SHARD, args=[self._payload(plan, run_dir, tracked.task)],
+                      task_id=tracked.task_id, queue=self.queue)
+
+    def run(self, plan: ReplayPlan, run_dir: Path, reporter: Reporter) -> ExecutionReport:
+        from celery.result import AsyncResult
+
+        pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
+        info_file = run_dir / ENGINE_INFO_FILE
+        if not pending:
+            saved = json.loads(info_file.read_text(encoding="utf-8"))
+            return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
+        app = self._app()
+        broker = self.settings.describe()
+        reporter.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")
+        tracked: dict[int, _Tracked] = {}
+        outage_since: float | None = None
+        try:
+            for task in pending:
+                item = _Tracked(task, f"{plan.run_id}-shard-{task.index:05d}", len(task.request["prompts"]),
+                                time.monotonic())
+                self._retry_broker(lambda item=item: self._send(app, plan, run_dir, item), broker)
+                tracked[task.index] = item
+            reporter.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
+            progress = _Progress()
+            waiting = dict(tracked)
+            while waiting:
+                time.sleep(self.poll_s)
+                for index, item in list(waiting.items()):
+                    if shard_is_done(run_dir, item.task):
+                        item.result = self._result_of(AsyncResult(item.task_id, app=app))
+                        del waiting[index]
+                        self._advance(plan, reporter, item.prompts)
+                        progress.done += 1
+                        progress.last_change = time.monotonic()
+                        continue
+                    try:
+                        state = AsyncResult(item.task_id, app=app).state
+                    except Exception as exc:
+                        if not _is_connection_error(exc):
+                            raise
+                        # The broker is down: keep waiting (the files may still arrive), up to
+                        # broker_outage_s.
+                        if outage_since is None:
+                            outage_since = time.monotonic()
+                            reporter.status(f"lost the broker {broker} ({type(exc).__name__}); waiting for it")
+                        if time.monotonic() - outage_since > self.broker_outage_s:
+                            raise BrokerError(f"the broker {broker} was unreachable for {self.broker_outage_s:.0f} s; "
+                                              f"{len(waiting)} shard(s) unfinished; run the command again to resume") from exc
+                        break
+                    if outage_since is not None:
+                        # Back after an outage: queued messages may be gone if the broker lost
+                        # them. Send every unfinished shard again; a shard already running or
+                        # done is not harmed (results are keyed by run and shard).
+                        reporter.status(f"the broker {broker} is back; re-sending {len(waiting)} unfinished shard(s)")
+                        outage_since = None
+                        for again in waiting.values():
+                            if AsyncResult(again.task_id, app=app).state != "STARTED":
+                                self._send(app, plan, run_dir, again)
+                                again.sends += 1
+                        progress.last_change = time.monotonic()
+                        break
+                    if state == "FAILURE":
+                        item.error = str(AsyncResult(item.task_id, app=app).result)
+                        del waiting[index]
+                        progress.last_change = time.monotonic()
+                    elif state == "SUCCESS" and not shard_is_done(run_dir, item.task):
+                        item.error = (f"the worker reported success but {shard_message(item.task, run_dir, plan.run_id)['out']} "
+                                      "is not there: do the workers see this results directory (shared storage)?")
+                        del waiting[index]
+                if waiting and time.monotonic() - progress.last_change > self.stall_timeout_s:
+                    missing = ", ".join(str(i) for i in sorted(waiting))
+                    raise BrokerError(
+                        f"no shard finished for {self.stall_timeout_s:.0f} s on queue '{self.queue}' ({broker}); "
+                        f"unfinished shard(s): {missing}. Is a worker running (`regress worker --queue {self.queue}`)?"
+                    )
+        except KeyboardInterrupt:
+            self._revoke(app, [t for t in tracked.values() if t.result is None and t.error is None])
+            raise
+        failed = [t for t in tracked.values() if t.error is not None]
+        if failed:
+            lines = "\n".join(f"  shard {t.task.index}: {t.error}" for t in sorted(failed, key=lambda t: t.task.index))
+            raise ShardsFailedError(
+                f"{len(failed)} of {len(plan.tasks)} shard(s) of '{plan.candidate.name}' failed; finished shards are "
+                f"kept in {run_dir}, run the command again to retry the rest:\n{lines}"
+            )
+        return self._report(plan, run_dir, tracked, info_file)
+
+    @staticmethod
+    def _advance(plan: ReplayPlan, reporter: Reporter, prompts: int) -> None:
+        reporter.advance("generate", prompts)
+        if plan.kind == "replay" and any(t.request["teacher_force"] is not None for t in plan.tasks):
+            reporter.advance("teacher_force", prompts)
+
+    @staticmethod
+    def _result_of(result: Any) -> dict[str, Any]:
+        # The file is the truth; the worker's reply (engine facts) may lag or be gone after a
+        # broker restart, or the shard was written by an earlier attempt.
+        try:
+            if result.state == "SUCCESS" and isinstance(result.result, dict):
+                return result.result
+        except Exception:
+            pass
+        return {}
+
+    def _retry_broker(self, action: Any, broker: str) -> None:
+        deadline = time.monotonic() + min(self.broker_outage_s, 60)
+        while True:
+            try:
+                action()
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline or not _is_connection_error(exc):
+                    raise BrokerError(f"cannot send shards to the broker {broker}: {exc}") from exc
+                time.sleep(1)
+
+    @staticmethod
+    def _revoke(app: Any, items: list[_Tracked]) -> None:
+        try:
+            for item in items:
+                app.control.revoke(item.task_id)
+        except Exception:
+            pass
+
+    def _report(self, plan: ReplayPlan, run_dir: Path, tracked: dict[int, _Tracked], info_file: Path) -> ExecutionReport:
+        replies = [t.result for t in tracked.values() if t.result and not t.result.get("skipped")]
+        saved: dict[str, Any] = {}
+        if info_file.is_file():
+            saved = json.loads(info_file.read_text(encoding="utf-8"))
+        info = next((r["engine_info"] for r in replies if r.get("engine_info")), saved.get("info", {}))
+        environment = next((r.get("environment") for r in replies if r.get("engine_info")), saved.get("environment"))
+        loads = sum(1 for r in replies if r.get("engine_loaded"))
+        load_s = sum(float(r.get("engine_load_s", 0.0)) for r in replies)
+        memory: dict[str, Any] = dict(saved.get("memory", {}))
+        for reply in replies:
+            for key, value in (reply.get("memory") or {}).items():
+                if value is not None and (memory.get(key) is None or value > memory[key]):
+                    memory[key] = value
+        workers = sorted({f"{r['worker']}:{r['pid']}" for r in replies})
+        atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment,
+                                                 "workers": workers}, default=str))
+        return ExecutionReport(info, loads, load_s, memory, environment)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    return bool(names & {"ConnectionError", "OperationalError", "ConnectionRefusedError", "TimeoutError", "BusyLoadingError"})

@@ -1,0 +1,159 @@
+"""The worker's side of a replay: run one shard in a warm engine, write its result file.
+
+A task carries everything the shard needs as JSON (the candidate, the engine request, where
+to write): workers share no state with the orchestrator but the results directory. A shard
+whose result file is already there with the same fingerprint is not run again, so a
+redelivered message (a worker died after writing, before acknowledging) costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from celery.utils.log import get_task_logger
+
+from regress.engine_process import EngineProcess
+from regress.envs import python_for, regress_home
+from regress.errors import EngineError, InputError, RegressError
+from regress.records import CandidateSpec
+from regress.storage import read_shard_meta
+from regress.worker.app import TASK_REPLAY_SHARD, app
+
+logger = get_task_logger(__name__)
+
+# Stop a shard this far before the visibility timeout, so Redis never hands a shard that is
+# still running to a second worker.
+_VISIBILITY_MARGIN = 0.9
+
+
+class ShardFailed(Exception):
+    """A shard could not be run; the message names the candidate, shard and worker.
+
+    A plain one-argument exception so that it crosses the JSON result backend intact.
+    """
+
+
+def engine_key(candidate: CandidateSpec) -> str:
+    """What makes two candidates share an engine: everything but the name."""
+    data = candidate.model_dump(mode="json")
+    data.pop("name", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class WarmEngines:
+    """The engines this worker keeps loaded, least recently used first out.
+
+    One per candidate, up to ``capacity`` (one GPU rarely holds two engines): a worker serving
+    the shards of one candidate loads its engine once per run, not once per shard.
+    """
+
+    def __init__(self, capacity: int = 1):
+        self.capacity = max(1, capacity)
+        self._engines: OrderedDict[str, tuple[EngineProcess, dict[str, Any]]] = OrderedDict()
+        self.loads = 0
+
+    def get(self, candidate: CandidateSpec, deadline: float | None) -> tuple[EngineProcess, dict[str, Any], bool]:
+        """The warm engine for ``candidate`` (loading it if needed): (engine, facts, loaded now)."""
+        key = engine_key(candidate)
+        if key in self._engines:
+            self._engines.move_to_end(key)
+            engine, facts = self._engines[key]
+            return engine, facts, False
+        while len(self._engines) >= self.capacity:
+            _, (old, _) = self._engines.popitem(last=False)
+            old.close()
+        python, env, _ = python_for(candidate, on_line=lambda line: logger.info("pip: %s", line))
+        log = regress_home() / "logs" / f"worker-{socket.gethostname()}-{os.getpid()}" / f"{candidate.name}-{key}.log"
+        timeout = None if deadline is None else max(60.0, deadline - time.monotonic())
+        engine = EngineProcess(candidate, python, log, load_timeout_s=timeout)
+        started = time.monotonic()
+        try:
+            info = engine.start()
+        except BaseException:
+            engine.close()
+            raise
+        facts = {"info": info, "environment": str(env.path) if env is not None else None,
+                 "load_s": time.monotonic() - started, "log": str(log)}
+        self._engines[key] = (engine, facts)
+        self.loads += 1
+        logger.info("engine for '%s' loaded in %.1f s", candidate.name, facts["load_s"])
+        return engine, facts, True
+
+    def drop(self, candidate: CandidateSpec) -> None:
+        """Forget (and stop) the engine for ``candidate``, e.g. after it died."""
+        entry = self._engines.pop(engine_key(candidate), None)
+        if entry is not None:
+            entry[0].close()
+
+    def close(self) -> None:
+        while self._engines:
+            _, (engine, _) = self._engines.popitem()
+            engine.close()
+
+
+engines = WarmEngines(int(os.environ.get("REGRESS_WORKER_MAX_ENGINES", "1")))
+"""This worker process's warm engines (the solo pool runs every task in this process)."""
+
+
+def _already_done(out: Path, fingerprint: str) -> bool:
+    try:
+        return out.is_file() and read_shard_meta(out).get("fingerprint") == fingerprint
+    except (OSError, ValueError):
+        return False
+
+
+def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_restarts: int = 1) -> dict[str, Any]:
+    """Run one shard described by ``payload`` (see CeleryExecutor); returns facts for the manifest."""
+    candidate = CandidateSpec.model_validate(payload["candidate"])
+    message = payload["message"]
+    out = Path(message["out"])
+    where = f"candidate '{candidate.name}', shard {message['index']} on {socket.gethostname()}"
+    base = {"index": message["index"], "worker": socket.gethostname(), "pid": os.getpid()}
+    if _already_done(out, message["meta"]["fingerprint"]):
+        return {**base, "skipped": True}
+    if not out.parent.is_dir():
+        raise ShardFailed(f"{where}: the results directory {out.parent} is not there; "
+                          "workers need the orchestrator's results directory (shared storage)")
+    restarts = 0
+    loaded_now = False
+    while True:
+        try:
+            engine, facts, fresh = engines.get(candidate, deadline)
+            loaded_now = loaded_now or fresh
+            vocab = payload.get("vocab_out")
+            if vocab and not Path(vocab).is_file():
+                engine.request({"op": "vocab", "out": vocab}, timeout_s=600, what="vocabulary")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ShardFailed(f"{where}: no time left before the visibility timeout (environment or engine start too slow)")
+            engine.request(message, timeout_s=remaining, what=f"shard {message['index']}")
+            memory = engine.request({"op": "memory"}, timeout_s=60, what="memory query")["memory"]
+            return {**base, "skipped": False, "engine_loaded": loaded_now, "engine_load_s": facts["load_s"] if loaded_now else 0.0,
+                    "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
+        except EngineError as exc:
+            engines.drop(candidate)
+            if exc.retryable and restarts < max_restarts:
+                restarts += 1
+                logger.warning("%s: engine died, restarting (%d/%d): %s", where, restarts, max_restarts, exc)
+                continue
+            raise ShardFailed(f"{where}: {exc}") from None
+        except InputError as exc:
+            raise ShardFailed(f"{where}: input error: {exc}") from None
+        except RegressError as exc:
+            engines.drop(candidate)
+            raise ShardFailed(f"{where}: {exc}") from None
+
+
+@app.task(name=TASK_REPLAY_SHARD, bind=True)
+def replay_shard(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """Celery task: one shard of a replay (JSON in, JSON out; the result itself goes to a file)."""
+    visibility = float(self.app.conf.broker_transport_options.get("visibility_timeout", 3600))
+    deadline = time.monotonic() + visibility * _VISIBILITY_MARGIN
+    return run_shard(payload, deadline=deadline)
