@@ -8,7 +8,7 @@ from conftest import run_cli
 from regress.report.annotations import junit_annotations
 
 COMMANDS = ["validate", "model", "quantize", "golden", "replay", "score", "check", "report", "gate",
-            "demo-prompts", "env", "env list", "env create", "env remove", "env path"]
+            "demo-prompts", "worker", "watch", "env", "env list", "env create", "env remove", "env path"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

