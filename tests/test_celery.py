@@ -20,7 +20,7 @@ import pytest
 import redis
 from celery_workers import WorkerProcess
 from conftest import run_cli
-from redis_process import RedisServer
+from redis_process import RedisServer, free_port
 
 from regress.runs import load_run
 from regress.worker.app import TASK_REPLAY_SHARD, celery_config
@@ -139,6 +139,11 @@ def test_a_pickle_message_is_refused(main_worker, redis_server, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
+    # The payload is live: unpickling it runs the command.
+    pickle.loads(pickle.dumps(Exploit()))
+    assert marker.exists()
+    marker.unlink()
+
     from kombu import Connection
 
     with Connection(redis_server.url) as conn:
@@ -155,7 +160,6 @@ def test_a_pickle_message_is_refused(main_worker, redis_server, tmp_path):
     assert not marker.exists()
     assert redis.Redis.from_url(redis_server.url).llen("main") == 0  # refused, not left to loop
     assert main_worker.proc is not None and main_worker.proc.poll() is None  # and still serving
-    assert pickle.dumps  # the exploit above really was pickled (kombu's pickle serializer)
 
 
 @pytest.mark.engine
@@ -239,3 +243,50 @@ def test_redis_restart_with_queued_shards_completes_the_run(workspace, same_run,
     log = (tmp_path / "replay.log").read_text()
     assert "s3cret-for-tests" not in log and "redis://:***@127.0.0.1" in log
     assert_same_results(workspace / "runs" / "same", workspace / "runs" / "restarted")
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with openssl."""
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+            "-days", "1", "-subj", "/CN=regress test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-out", str(cert), "-days", "1", "-extfile", str(ext))
+    return ca, cert, key
+
+
+def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path):
+    """rediss:// end to end: the orchestrator's app sends a shard task over TLS, a real worker
+    takes it and answers through the TLS result backend (the shard is already on disk, so the
+    worker only checks it: no engine needed)."""
+    from regress.runs import shard_file
+    from regress.storage import read_shard_meta
+    from regress.worker.app import make_app
+
+    ca, cert, key = _tls_files(tmp_path)
+    port = free_port()
+    server = RedisServer(tmp_path / "redis", port=free_port(), extra_args=(
+        "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no")).start()
+    url = f"rediss://127.0.0.1:{port}/0"
+    worker = WorkerProcess(workspace, broker_url=url, queue="tls", name="tls@test", log=tmp_path / "worker.log")
+    worker.env["REGRESS_REDIS_CA_CERTS"] = str(ca)
+    try:
+        worker.start()
+        app = make_app(CelerySettings(broker_url=url, ssl_ca_certs=str(ca)), with_tasks=False)
+        done = shard_file(golden_dir, 0)
+        golden = load_run(golden_dir)
+        payload = {"candidate": golden.manifest.candidate.model_dump(mode="json"),
+                   "message": {"index": 0, "out": str(done), "meta": {"fingerprint": read_shard_meta(done)["fingerprint"]}}}
+        reply = app.send_task(TASK_REPLAY_SHARD, args=[payload], queue="tls").get(timeout=60)
+        assert reply["skipped"] is True and reply["index"] == 0
+    finally:
+        worker.kill()
+        server.stop()
