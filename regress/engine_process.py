@@ -68,6 +68,15 @@ class EngineProcess:
         env.update(engine_environment(self.candidate))
         # The candidate may add its own paths (a custom backend module, say) after the shim.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (self._shim.name, self.candidate.env.get("PYTHONPATH")) if p)
+        # vLLM leaves a file in the temp directory per engine start (its distributed init file,
+        # never removed because the engine process exits without teardown): give the engine a
+        # private temp directory that goes with the shim. torch's compile cache stays where it
+        # would be, so later engine processes still reuse it.
+        default_tmp = tempfile.gettempdir()
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(default_tmp, f"torchinductor_{_user()}"))
+        private_tmp = Path(self._shim.name) / "tmp"
+        private_tmp.mkdir()
+        env["TMPDIR"] = str(private_tmp)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
@@ -211,6 +220,16 @@ class EngineProcess:
             f"Last lines of the engine log ({self.log_path}):\n{tail}",
             candidate=self.candidate.name, retryable=True, log=str(self.log_path),
         )
+
+
+def _user() -> str:
+    """The user name torch puts in its default cache directory name."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
 
 
 def _die_with_parent() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+import yaml
 from celery_workers import WorkerProcess
 from conftest import run_cli
 from redis_process import RedisServer, free_port
@@ -174,8 +175,23 @@ def test_celery_results_are_identical_to_the_local_executor(workspace, same_run,
     assert remote.versions.vllm == local.versions.vllm and remote.model.files_sha256 == local.model.files_sha256
     assert remote.timings.engine_loads == 1  # one worker x one candidate, not one per shard
     info = json.loads((workspace / "runs" / "same-celery" / "engine-info.json").read_text())
-    assert info["workers"] and all(w.startswith(os.uname().nodename) for w in info["workers"])
+    assert len(info["workers"]) == 1 and info["workers"][0].startswith("main@test:")  # the worker's --name
     assert (workspace / "runs" / "same-celery" / "tokens.json").is_file()
+
+
+@pytest.mark.engine
+def test_failed_shards_are_named_and_the_run_is_not_written(workspace, golden_dir, main_worker, redis_server):
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["candidates"] = {"broken": {"engine_args": {"bogus_engine_arg": 1}}}
+    (workspace / "params-broken.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    result = run_cli("replay", "broken", "-p", "params-broken.yaml", "--executor", "celery", "--queue", "main",
+                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url})
+    assert result.returncode == 3, result.stderr
+    assert "3 of 3 shard(s) of 'broken' failed" in result.stderr
+    for index in range(3):
+        assert f"shard {index}: worker main@test: " in result.stderr
+    assert result.stderr.count("candidate 'broken': engine start failed") == 3 and "bogus_engine_arg" in result.stderr
+    assert not (workspace / "runs" / "broken").exists()
 
 
 @pytest.mark.engine
@@ -197,9 +213,10 @@ def test_a_worker_killed_mid_shard_loses_nothing(workspace, same_run, redis_serv
             if not any(partial.glob("*")):
                 return None
             for index in range(1, 3):
-                meta = client.get(f"celery-task-meta-{run_id}-shard-{index:05d}")
-                if meta and json.loads(meta)["status"] == "STARTED":
-                    return index
+                for key in client.scan_iter(f"celery-task-meta-{run_id}-shard-{index:05d}-*"):
+                    meta = client.get(key)
+                    if meta and json.loads(meta)["status"] == "STARTED":
+                        return index
             return None
 
         index = wait_for(running_shard, 120, "a shard to start on a warm engine", poll_s=0.02)

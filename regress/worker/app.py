@@ -77,7 +77,12 @@ def celery_config(settings: CelerySettings, *, with_tasks: bool = True) -> dict[
         "worker_concurrency": 1,
         "task_default_queue": settings.queue,
         "result_expires": 7 * 24 * 3600,
-        "result_extended": True,
+        # Task arguments (prompts, golden token ids) are not kept in the result backend: the
+        # orchestrator polls states, and results live in files.
+        "result_extended": False,
+        # A task running when the broker connection drops finishes and writes its file; if Redis
+        # then hands the shard out again, the next worker finds the file and skips it.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "include": TASK_MODULES if with_tasks else [],
         "worker_hijack_root_logger": False,
     }

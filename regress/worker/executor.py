@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ class CeleryExecutor:
     def _send(self, app: Any, plan: ReplayPlan, run_dir: Path, tracked: _Tracked) -> None:
         from regress.worker.app import TASK_REPLAY_SHARD
 
+        # A fresh task id per send: a resumed run (same run id) must not read the FAILURE or
+        # REVOKED state an earlier attempt left under the old id.
+        tracked.task_id = f"{plan.run_id}-shard-{tracked.task.index:05d}-{uuid.uuid4().hex[:8]}"
         app.send_task(TASK_REPLAY_SHARD, args=[self._payload(plan, run_dir, tracked.task)],
                       task_id=tracked.task_id, queue=self.queue)
 
@@ -98,8 +102,7 @@ class CeleryExecutor:
         outage_since: float | None = None
         try:
             for task in pending:
-                item = _Tracked(task, f"{plan.run_id}-shard-{task.index:05d}", len(task.request["prompts"]),
-                                time.monotonic())
+                item = _Tracked(task, "", len(task.request["prompts"]), time.monotonic())
                 self._retry_broker(lambda item=item: self._send(app, plan, run_dir, item), broker)
                 tracked[task.index] = item
             reporter.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
@@ -143,6 +146,10 @@ class CeleryExecutor:
                         break
                     if state == "FAILURE":
                         item.error = str(AsyncResult(item.task_id, app=app).result)
+                        del waiting[index]
+                        progress.last_change = time.monotonic()
+                    elif state in ("REVOKED", "REJECTED"):
+                        item.error = f"the task was {state.lower()} (revoked by an interrupted run, or refused by the worker)"
                         del waiting[index]
                         progress.last_change = time.monotonic()
                     elif state == "SUCCESS" and not shard_is_done(run_dir, item.task):

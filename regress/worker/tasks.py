@@ -109,17 +109,21 @@ def _already_done(out: Path, fingerprint: str) -> bool:
         return False
 
 
-def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_restarts: int = 1) -> dict[str, Any]:
-    """Run one shard described by ``payload`` (see CeleryExecutor); returns facts for the manifest."""
+def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_restarts: int = 1,
+              worker: str | None = None) -> dict[str, Any]:
+    """Run one shard described by ``payload`` (see CeleryExecutor); returns facts for the manifest.
+
+    ``worker``: this worker's name (``regress worker --name``), for messages and the manifest."""
     candidate = CandidateSpec.model_validate(payload["candidate"])
     message = payload["message"]
     out = Path(message["out"])
-    where = f"candidate '{candidate.name}', shard {message['index']} on {socket.gethostname()}"
-    base = {"index": message["index"], "worker": socket.gethostname(), "pid": os.getpid()}
+    worker = worker or socket.gethostname()
+    where = f"worker {worker}"
+    base = {"index": message["index"], "worker": worker, "pid": os.getpid()}
     if _already_done(out, message["meta"]["fingerprint"]):
         return {**base, "skipped": True}
     if not out.parent.is_dir():
-        raise ShardFailed(f"{where}: the results directory {out.parent} is not there; "
+        raise ShardFailed(f"{where}: candidate '{candidate.name}': the results directory {out.parent} is not there; "
                           "workers need the orchestrator's results directory (shared storage)")
     restarts = 0
     loaded_now = False
@@ -132,20 +136,24 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
                 engine.request({"op": "vocab", "out": vocab}, timeout_s=600, what="vocabulary")
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise ShardFailed(f"{where}: no time left before the visibility timeout (environment or engine start too slow)")
+                raise ShardFailed(f"{where}: candidate '{candidate.name}': no time left before the visibility timeout (environment or engine start too slow)")
             engine.request(message, timeout_s=remaining, what=f"shard {message['index']}")
             memory = engine.request({"op": "memory"}, timeout_s=60, what="memory query")["memory"]
             return {**base, "skipped": False, "engine_loaded": loaded_now, "engine_load_s": facts["load_s"] if loaded_now else 0.0,
                     "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
         except EngineError as exc:
             engines.drop(candidate)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ShardFailed(f"{where}: candidate '{candidate.name}': shard {message['index']} did not finish "
+                                  "before the visibility timeout ran out; raise celery.visibility_timeout_s "
+                                  f"or use smaller shards ({exc})") from None
             if exc.retryable and restarts < max_restarts:
                 restarts += 1
                 logger.warning("%s: engine died, restarting (%d/%d): %s", where, restarts, max_restarts, exc)
                 continue
             raise ShardFailed(f"{where}: {exc}") from None
         except InputError as exc:
-            raise ShardFailed(f"{where}: input error: {exc}") from None
+            raise ShardFailed(f"{where}: {exc}") from None
         except RegressError as exc:
             engines.drop(candidate)
             raise ShardFailed(f"{where}: {exc}") from None
@@ -156,4 +164,4 @@ def replay_shard(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: one shard of a replay (JSON in, JSON out; the result itself goes to a file)."""
     visibility = float(self.app.conf.broker_transport_options.get("visibility_timeout", 3600))
     deadline = time.monotonic() + visibility * _VISIBILITY_MARGIN
-    return run_shard(payload, deadline=deadline)
+    return run_shard(payload, deadline=deadline, worker=self.request.hostname)
