@@ -191,6 +191,8 @@ def test_failed_shards_are_named_and_the_run_is_not_written(workspace, golden_di
     for index in range(3):
         assert f"shard {index}: worker main@test: " in result.stderr
     assert result.stderr.count("candidate 'broken': engine start failed") == 3 and "bogus_engine_arg" in result.stderr
+    # One doomed engine start per worker, not one per shard.
+    assert result.stderr.count("not started again: the same engine failed to start on this worker") == 2
     assert not (workspace / "runs" / "broken").exists()
 
 

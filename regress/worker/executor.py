@@ -58,13 +58,15 @@ class CeleryExecutor:
     """
 
     def __init__(self, settings: CelerySettings | None = None, *, queue: str | None = None,
-                 stall_timeout_s: float | None = None, broker_outage_s: float = 600, poll_s: float = 0.5):
+                 stall_timeout_s: float | None = None, broker_outage_s: float = 600, poll_s: float = 0.5,
+                 state_poll_s: float = 2.0):
         self.settings = (settings or CelerySettings()).with_environment()
         self.queue = queue or self.settings.queue
         self.stall_timeout_s = (stall_timeout_s or self.settings.stall_timeout_s
                                 or self.settings.visibility_timeout_s + 600)
         self.broker_outage_s = broker_outage_s
         self.poll_s = poll_s
+        self.state_poll_s = state_poll_s
 
     def _app(self):  # type: ignore[no-untyped-def]
         from regress.worker.app import make_app
@@ -108,8 +110,14 @@ class CeleryExecutor:
             reporter.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
             progress = _Progress()
             waiting = dict(tracked)
+            last_states = 0.0
             while waiting:
                 time.sleep(self.poll_s)
+                # Files are checked every poll; task states (one Redis read per waiting shard)
+                # only every few seconds, so a run of thousands of shards does not hammer Redis.
+                ask_states = time.monotonic() - last_states >= self.state_poll_s
+                if ask_states:
+                    last_states = time.monotonic()
                 for index, item in list(waiting.items()):
                     if shard_is_done(run_dir, item.task):
                         item.result = self._result_of(AsyncResult(item.task_id, app=app))
@@ -117,6 +125,8 @@ class CeleryExecutor:
                         self._advance(plan, reporter, item.prompts)
                         progress.done += 1
                         progress.last_change = time.monotonic()
+                        continue
+                    if not ask_states and outage_since is None:
                         continue
                     try:
                         state = AsyncResult(item.task_id, app=app).state

@@ -54,14 +54,26 @@ class WarmEngines:
     the shards of one candidate loads its engine once per run, not once per shard.
     """
 
-    def __init__(self, capacity: int = 1):
+    def __init__(self, capacity: int = 1, *, failure_ttl_s: float = 300):
         self.capacity = max(1, capacity)
+        self.failure_ttl_s = failure_ttl_s
         self._engines: OrderedDict[str, tuple[EngineProcess, dict[str, Any]]] = OrderedDict()
+        # Engines that failed to start for a reason that is not a crash (a bad engine argument,
+        # a missing model): later shards of the same candidate fail at once instead of paying
+        # for another doomed start each (a run of 1,000 shards would otherwise try 1,000 times).
+        self._start_failures: dict[str, tuple[float, RegressError]] = {}
         self.loads = 0
 
     def get(self, candidate: CandidateSpec, deadline: float | None) -> tuple[EngineProcess, dict[str, Any], bool]:
         """The warm engine for ``candidate`` (loading it if needed): (engine, facts, loaded now)."""
         key = engine_key(candidate)
+        failed = self._start_failures.get(key)
+        if failed is not None and time.monotonic() - failed[0] < self.failure_ttl_s:
+            age = time.monotonic() - failed[0]
+            detail = str(failed[1]).removeprefix(f"candidate '{candidate.name}': ")
+            raise EngineError(f"{detail} [not started again: the same engine failed to start on this worker "
+                              f"{age:.0f} s ago; next attempt after {self.failure_ttl_s:.0f} s]",
+                              candidate=candidate.name, retryable=False)
         if key in self._engines:
             self._engines.move_to_end(key)
             engine, facts = self._engines[key]
@@ -76,9 +88,15 @@ class WarmEngines:
         started = time.monotonic()
         try:
             info = engine.start()
+        except (EngineError, InputError) as exc:
+            engine.close()
+            if not getattr(exc, "retryable", False):
+                self._start_failures[key] = (time.monotonic(), exc)
+            raise
         except BaseException:
             engine.close()
             raise
+        self._start_failures.pop(key, None)
         facts = {"info": info, "environment": str(env.path) if env is not None else None,
                  "load_s": time.monotonic() - started, "log": str(log)}
         self._engines[key] = (engine, facts)
