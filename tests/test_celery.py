@@ -99,6 +99,23 @@ def test_environment_overrides_params(monkeypatch):
     assert settings.broker_url == "redis://10.0.0.5:6379/2" and settings.queue == "h100"
 
 
+def test_candidates_can_have_queues_of_their_own(tmp_path):
+    from regress.config import load_params
+    from regress.worker.executor import CeleryExecutor
+
+    (tmp_path / "params.yaml").write_text(
+        "dataset: d.jsonl\nbaseline:\n  model: m\ncandidates:\n  fp8-kv: {}\n"
+        "celery:\n  queue: l4\n  candidate_queues: {fp8-kv: h100}\n", encoding="utf-8")
+    settings = load_params(tmp_path / "params.yaml").celery
+    assert settings.queue_for("fp8-kv") == "h100" and settings.queue_for("baseline") == "l4"
+    assert CeleryExecutor(settings, queue="a100").explicit_queue == "a100"
+    (tmp_path / "params.yaml").write_text(
+        "dataset: d.jsonl\nbaseline:\n  model: m\ncelery:\n  candidate_queues: {fp8-kv: 'h 100'}\n",
+        encoding="utf-8")
+    result = run_cli("replay", "baseline", "--executor", "celery", cwd=tmp_path)
+    assert result.returncode == 2 and "params.yaml:5: field 'celery.candidate_queues" in result.stderr
+
+
 def test_a_bad_broker_url_in_params_names_file_line_and_field(tmp_path):
     (tmp_path / "params.yaml").write_text(
         "dataset: d.jsonl\nbaseline:\n  model: m\ncelery:\n  broker_url: http://example.invalid/\n", encoding="utf-8")

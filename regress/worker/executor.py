@@ -61,6 +61,7 @@ class CeleryExecutor:
                  stall_timeout_s: float | None = None, broker_outage_s: float = 600, poll_s: float = 0.5,
                  state_poll_s: float = 2.0):
         self.settings = (settings or CelerySettings()).with_environment()
+        self.explicit_queue = queue
         self.queue = queue or self.settings.queue
         self.stall_timeout_s = (stall_timeout_s or self.settings.stall_timeout_s
                                 or self.settings.visibility_timeout_s + 600)
@@ -97,6 +98,7 @@ class CeleryExecutor:
         if not pending:
             saved = json.loads(info_file.read_text(encoding="utf-8"))
             return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
+        self.queue = self.explicit_queue or self.settings.queue_for(plan.candidate.name)
         app = self._app()
         broker = self.settings.describe()
         reporter.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")

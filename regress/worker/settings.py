@@ -46,6 +46,9 @@ class CelerySettings(BaseModel):
     queue: str = Field(DEFAULT_QUEUE, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
     """The queue shards are sent to; workers listen on it (``regress worker --queue``).
     Use one queue per GPU kind or per candidate environment to route work."""
+    candidate_queues: dict[str, str] = Field(default_factory=dict)
+    """Queue per candidate name, for candidates that need other hardware or an environment only
+    some workers have (``{fp8-kv: h100, next: l4}``); others go to ``queue``. ``--queue`` wins."""
     visibility_timeout_s: float = Field(3 * 3600, gt=0)
     """How long a taken but unacknowledged shard stays invisible before Redis hands it to another
     worker. Must exceed the longest shard, including creating the environment and loading the
@@ -57,6 +60,18 @@ class CelerySettings(BaseModel):
     """Certificate check for rediss:// URLs."""
     ssl_ca_certs: str | None = None
     """CA bundle for rediss:// URLs (default: the system's)."""
+
+    @field_validator("candidate_queues")
+    @classmethod
+    def _queue_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, queue in value.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]*", queue):
+                raise ValueError(f"queue of '{name}' must be letters, digits and _ . : -, got {queue!r}")
+        return value
+
+    def queue_for(self, candidate: str) -> str:
+        """The queue a candidate's shards go to (without a --queue)."""
+        return self.candidate_queues.get(candidate, self.queue)
 
     @field_validator("broker_url", "result_backend")
     @classmethod
