@@ -124,6 +124,16 @@ def test_a_bad_broker_url_in_params_names_file_line_and_field(tmp_path):
     assert "params.yaml:5: field 'celery.broker_url'" in result.stderr and "redis://" in result.stderr
 
 
+def test_an_unreachable_broker_is_a_clear_error(workspace, golden_dir):
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = run_cli("replay", "same", "--executor", "celery", "--out", "runs/no-broker", cwd=workspace,
+                     env={"REGRESS_BROKER_URL": url}, timeout=120)
+    assert result.returncode == 3, result.stderr
+    message = " ".join(result.stderr.split())
+    assert f"cannot reach the broker redis://:***@127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}/0" in message
+    assert "REGRESS_BROKER_URL" in message and "s3cret" not in result.stderr
+
+
 def test_without_a_worker_the_run_fails_loudly_naming_the_shards(workspace, golden_dir, redis_server, tmp_path):
     queue = f"nobody-{uuid.uuid4().hex[:6]}"
     result = run_cli("replay", "same", "--executor", "celery", "--queue", queue, "--out", "runs/unserved",

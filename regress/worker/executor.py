@@ -101,6 +101,7 @@ class CeleryExecutor:
         self.queue = self.explicit_queue or self.settings.queue_for(plan.candidate.name)
         app = self._app()
         broker = self.settings.describe()
+        self._check_broker(app, broker)
         reporter.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")
         tracked: dict[int, _Tracked] = {}
         outage_since: float | None = None
@@ -202,6 +203,18 @@ class CeleryExecutor:
         except Exception:
             pass
         return {}
+
+    @staticmethod
+    def _check_broker(app: Any, broker: str) -> None:
+        """Fail in seconds, with a message that says what to check, when Redis is not there."""
+        connection = app.connection_for_write()
+        try:
+            connection.ensure_connection(max_retries=3, interval_start=1, interval_step=2, interval_max=4, timeout=5)
+        except Exception as exc:
+            raise BrokerError(f"cannot reach the broker {broker}: {str(exc).rstrip('.')}; is Redis running, and is the URL right "
+                              "(REGRESS_BROKER_URL or celery.broker_url in params.yaml)?") from exc
+        finally:
+            connection.release()
 
     def _retry_broker(self, action: Any, broker: str) -> None:
         deadline = time.monotonic() + min(self.broker_outage_s, 60)
