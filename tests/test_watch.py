@@ -658,3 +658,14 @@ def test_importing_the_command_does_not_import_celery():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_inside_github_actions_the_github_trigger_dispatches_to_this_repository():
+    from regress.watch.config import GitHubSettings
+    from regress.watch.triggers import GitHubTrigger
+
+    trigger = GitHubTrigger.from_environment(GitHubSettings(), environ={"GITHUB_REPOSITORY": "acme/llm-serving",
+                                                                        "REGRESS_GITHUB_TOKEN": "t"})
+    assert trigger.settings.repo == "acme/llm-serving"
+    with pytest.raises(ConfigError, match="GITHUB_REPOSITORY"):
+        GitHubTrigger.from_environment(GitHubSettings(), environ={"REGRESS_GITHUB_TOKEN": "t"})

@@ -21,8 +21,8 @@ WORKFLOWS = sorted((REPO / ".github" / "workflows").glob("*.yml"))
 BIN = Path(sys.executable).parent
 
 
-def test_both_workflows_exist():
-    assert {p.name for p in WORKFLOWS} == {"ci.yml", "regression.yml"}
+def test_the_workflows_exist():
+    assert {p.name for p in WORKFLOWS} == {"ci.yml", "regression.yml", "watch.yml"}
 
 
 def test_zizmor_finds_nothing_at_medium_or_above():

@@ -227,9 +227,12 @@ class GitHubTrigger(Trigger):
     def from_environment(cls, settings: Any, *, timeout_s: float = 30,
                          environ: dict[str, str] | None = None) -> "GitHubTrigger":
         environ = dict(os.environ if environ is None else environ)
+        if not settings.repo and environ.get("GITHUB_REPOSITORY"):
+            # Inside GitHub Actions (the scheduled watch workflow): this repository.
+            settings = settings.model_copy(update={"repo": environ["GITHUB_REPOSITORY"]})
         if not settings.repo:
-            raise ConfigError("the github trigger needs the repository: watch.github.repo: OWNER/NAME",
-                              field="watch.github.repo")
+            raise ConfigError("the github trigger needs the repository: watch.github.repo: OWNER/NAME "
+                              "(or GITHUB_REPOSITORY)", field="watch.github.repo")
         token = next((environ[v] for v in TOKEN_VARIABLES if environ.get(v)), None)
         if token is None:
             raise ConfigError(f"the github trigger needs a token in {' or '.join(TOKEN_VARIABLES)} "
