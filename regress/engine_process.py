@@ -62,7 +62,8 @@ class EngineProcess:
         """
         # The candidate environment holds vLLM, not regress: expose only the regress package
         # directory to it, through a private directory on PYTHONPATH.
-        self._shim = tempfile.TemporaryDirectory(prefix="regress-shim-")
+        remove_stale_shims()
+        self._shim = tempfile.TemporaryDirectory(prefix=f"{SHIM_PREFIX}{os.getpid()}-")
         os.symlink(Path(regress.__file__).resolve().parent, Path(self._shim.name) / "regress")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update(engine_environment(self.candidate))
@@ -220,6 +221,27 @@ class EngineProcess:
             f"Last lines of the engine log ({self.log_path}):\n{tail}",
             candidate=self.candidate.name, retryable=True, log=str(self.log_path),
         )
+
+
+SHIM_PREFIX = "regress-shim-"
+
+
+def remove_stale_shims(directory: str | None = None) -> None:
+    """Remove shim directories whose owner process is gone (a worker killed with SIGKILL cannot
+    clean up; its shim holds the engine's temp files)."""
+    import shutil
+
+    root = Path(directory or tempfile.gettempdir())
+    for path in root.glob(f"{SHIM_PREFIX}*-*"):
+        owner = path.name[len(SHIM_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
 
 
 def _user() -> str:

@@ -149,3 +149,19 @@ def test_chat_prompt_on_a_model_without_template_is_an_input_error(tmp_path):
     assert "prompt 'chat'" in result.stderr and "no chat template" in result.stderr
     assert "chat_template" in result.stderr  # names the documented fallback
     assert not (project / "golden").exists()
+
+
+def test_shims_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+
+    from regress.engine_process import SHIM_PREFIX, remove_stale_shims
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    dead = tmp_path / f"{SHIM_PREFIX}{gone.pid}-abc"
+    alive = tmp_path / f"{SHIM_PREFIX}{os.getpid()}-def"
+    for shim in (dead, alive):
+        (shim / "tmp").mkdir(parents=True)
+    remove_stale_shims(str(tmp_path))
+    assert not dead.exists() and alive.exists()
