@@ -38,6 +38,22 @@ class CheckResult:
         return self.scored.report.metrics.verdict
 
 
+def executor_for(params: Params, choice: str | None = None, queue: str | None = None) -> "Executor | None":
+    """The executor asked for (``choice``, else params.yaml's ``executor``); ``None`` is local."""
+    from regress.errors import ConfigError
+
+    kind = choice or params.executor
+    if kind == "local":
+        if queue:
+            raise ConfigError("--queue only applies with --executor celery", field="--queue")
+        return None
+    if kind != "celery":
+        raise ConfigError(f"must be 'local' or 'celery', got '{kind}'", field="--executor")
+    from regress.worker.executor import CeleryExecutor
+
+    return CeleryExecutor(params.celery, queue=queue)
+
+
 def score_candidate(
     params: Params,
     spec: CandidateSpec,

@@ -52,22 +52,6 @@ def _out(message: str) -> None:
     typer.echo(message)
 
 
-def _executor(p, choice: Optional[str], queue: Optional[str]):  # type: ignore[no-untyped-def]
-    """The executor a command asked for (option, then params.yaml); ``None`` means local."""
-    from regress.errors import ConfigError
-
-    kind = choice or p.executor
-    if kind == "local":
-        if queue:
-            raise ConfigError("--queue only applies with --executor celery", field="--queue")
-        return None
-    if kind != "celery":
-        raise ConfigError(f"must be 'local' or 'celery', got '{kind}'", field="--executor")
-    from regress.worker.executor import CeleryExecutor
-
-    return CeleryExecutor(p.celery, queue=queue)
-
-
 # --------------------------------------------------------------------------------------
 # validate
 # --------------------------------------------------------------------------------------
@@ -157,6 +141,7 @@ def golden(
     queue: Optional[str] = QueueOption,
 ) -> None:
     """Run the baseline over the prompt set and write the golden outputs."""
+    from regress.checks import executor_for
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.progress import RichReporter
@@ -168,7 +153,7 @@ def golden(
     out_dir = out or p.golden_dir()
     with RichReporter(f"golden '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter,
-                              force=force, executor=_executor(p, executor, queue))
+                              force=force, executor=executor_for(p, executor, queue))
     _summarise(manifest, out_dir)
 
 
@@ -186,6 +171,7 @@ def replay(
     queue: Optional[str] = QueueOption,
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
+    from regress.checks import executor_for
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.progress import RichReporter
@@ -200,7 +186,7 @@ def replay(
     with RichReporter(f"replay '{spec.name}'") as reporter:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
                               teacher_force=teacher_force, reporter=reporter, force=force,
-                              executor=_executor(p, executor, queue))
+                              executor=executor_for(p, executor, queue))
     _summarise(manifest, out_dir)
 
 
@@ -265,14 +251,14 @@ def check(
     queue: Optional[str] = QueueOption,
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
-    from regress.checks import run_check
+    from regress.checks import executor_for, run_check
     from regress.config import load_params
     from regress.progress import RichReporter
 
     p = load_params(params)
     spec = p.candidate(candidate)
     with RichReporter(f"replay '{spec.name}'") as reporter:
-        result = run_check(p, spec, golden_dir=golden_dir, executor=_executor(p, executor, queue),
+        result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
                            reporter=reporter, force=force)
     _summarise(result.manifest, p.run_dir(spec.name))
     _print_scores(result.scored.report)

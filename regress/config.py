@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from regress.backends import check_backend_name
 from regress.errors import ConfigError
 from regress.records import CandidateSpec
-from regress.validation import first_error, yaml_key_lines
+from regress.validation import first_error, line_for, yaml_key_lines
 from regress.worker.settings import CelerySettings
 
 DEFAULT_PARAMS = "params.yaml"
@@ -151,16 +151,6 @@ def merge_candidate(baseline: dict[str, Any], overrides: dict[str, Any]) -> dict
     return merged
 
 
-def _line_for(lines: dict[str, int], dotted: str) -> int | None:
-    parts = dotted.split(".")
-    while parts:
-        found = lines.get(".".join(parts))
-        if found is not None:
-            return found
-        parts.pop()
-    return None
-
-
 def _resolve_path_fields(spec: dict[str, Any], root: Path) -> dict[str, Any]:
     """Make relative local paths absolute so the engine process (any cwd) finds them."""
     resolved = dict(spec)
@@ -180,12 +170,12 @@ def candidate_from(data: dict[str, Any], *, name: str, file: Path, where: str, l
     except ValidationError as exc:
         path, message = first_error(exc, CandidateSpec)
         dotted = f"{where}.{path}" if path else where
-        raise ConfigError(message, file=file, line=_line_for(lines, dotted), field=dotted) from exc
+        raise ConfigError(message, file=file, line=line_for(lines, dotted), field=dotted) from exc
     try:
         check_backend_name(spec.backend)
     except Exception as exc:
         dotted = f"{where}.backend"
-        raise ConfigError(str(exc), file=file, line=_line_for(lines, dotted), field=dotted) from exc
+        raise ConfigError(str(exc), file=file, line=line_for(lines, dotted), field=dotted) from exc
     return spec
 
 
@@ -211,7 +201,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         parsed = _ParamsFile.model_validate(raw)
     except ValidationError as exc:
         where, message = first_error(exc, _ParamsFile)
-        raise ConfigError(message, file=path, line=_line_for(lines, where or ""), field=where) from exc
+        raise ConfigError(message, file=path, line=line_for(lines, where or ""), field=where) from exc
 
     root = path.parent
     baseline_data = _resolve_path_fields(dict(parsed.baseline), root)
@@ -221,7 +211,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     for name, overrides in parsed.candidates.items():
         if name == baseline.name:
             raise ConfigError(f"a candidate may not reuse the baseline's name '{name}'", file=path,
-                              line=_line_for(lines, f"candidates.{name}"), field=f"candidates.{name}")
+                              line=line_for(lines, f"candidates.{name}"), field=f"candidates.{name}")
         merged = merge_candidate(baseline_data, _resolve_path_fields(dict(overrides or {}), root))
         merged.pop("name", None)
         candidates[name] = candidate_from(merged, name=name, file=path, where=f"candidates.{name}", lines=lines)

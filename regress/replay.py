@@ -200,15 +200,19 @@ def plan_replay(
     )
 
 
-def shard_is_done(run_dir: Path, task: ShardTask) -> bool:
-    """Whether a valid result for exactly this shard request is on disk."""
-    path = shard_file(run_dir, task.index)
+def shard_file_matches(path: Path, fingerprint: str) -> bool:
+    """Whether ``path`` holds a valid shard result stamped with ``fingerprint``."""
     if not path.is_file():
         return False
     try:
-        return read_shard_meta(path).get("fingerprint") == task.fingerprint
+        return read_shard_meta(path).get("fingerprint") == fingerprint
     except (OSError, ValueError):
         return False
+
+
+def shard_is_done(run_dir: Path, task: ShardTask) -> bool:
+    """Whether a valid result for exactly this shard request is on disk."""
+    return shard_file_matches(shard_file(run_dir, task.index), task.fingerprint)
 
 
 # --------------------------------------------------------------------------------------
@@ -225,6 +229,12 @@ class ExecutionReport:
     engine_load_s: float
     memory: dict[str, Any]
     environment: str | None = None
+
+
+def saved_execution_report(run_dir: Path) -> ExecutionReport:
+    """What the executor recorded when it ran the shards now on disk (nothing left to run)."""
+    saved = json.loads((run_dir / ENGINE_INFO_FILE).read_text(encoding="utf-8"))
+    return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
 
 
 class Executor(Protocol):
@@ -257,10 +267,9 @@ class LocalExecutor:
     def run(self, plan: ReplayPlan, run_dir: Path, reporter: Reporter) -> ExecutionReport:
         candidate = plan.candidate
         pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
-        info_file = run_dir / ENGINE_INFO_FILE
         if not pending:
-            saved = json.loads(info_file.read_text(encoding="utf-8"))
-            return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
+            return saved_execution_report(run_dir)
+        info_file = run_dir / ENGINE_INFO_FILE
         reporter.status(f"preparing environment for {candidate.package}")
         python, env, _ = python_for(candidate, on_line=lambda line: reporter.status(f"pip: {line[:100]}"))
         environment = str(env.path) if env is not None else None

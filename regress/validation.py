@@ -27,6 +27,17 @@ def yaml_key_lines(text: str) -> dict[str, int]:
     return lines
 
 
+def line_for(lines: dict[str, int], dotted: str) -> int | None:
+    """The line of ``dotted`` in :func:`yaml_key_lines` output, else of its nearest parent key."""
+    parts = dotted.split(".")
+    while parts:
+        found = lines.get(".".join(parts))
+        if found is not None:
+            return found
+        parts.pop()
+    return None
+
+
 def field_path(loc: tuple[Any, ...]) -> str:
     """``("sampling", "temperature")`` -> ``sampling.temperature``; list indexes as ``[i]``."""
     out = ""

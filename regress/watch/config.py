@@ -28,12 +28,12 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from regress.errors import ConfigError
-from regress.validation import first_error, yaml_key_lines
+from regress.validation import first_error, line_for, yaml_key_lines
+from regress.worker.settings import REDIS_SCHEMES
 
 if TYPE_CHECKING:
     from regress.config import Params
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Settings whose command-line option is not simply --<field-name>.
 _OPTIONS = {"packages": "--package", "interval_s": "--interval", "first_run": "--check-existing"}
 # PEP 508 project names.
@@ -187,7 +187,7 @@ def load_watch_config(params_path: str | Path, overrides: dict[str, Any] | None 
 
     path = Path(params_path).resolve()
     params = load_params(path)
-    file_values = dict(getattr(params, "watch", None) or {})
+    file_values = dict(params.watch)
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     merged = {**file_values, **given}
     if isinstance(file_values.get("github"), dict) and isinstance(given.get("github"), dict):
@@ -200,9 +200,8 @@ def load_watch_config(params_path: str | Path, overrides: dict[str, Any] | None 
         if top in given:
             option = _OPTIONS.get(top, f"--{top.replace('_', '-')}")
             raise ConfigError(message, field=option) from exc
-        lines = yaml_key_lines(path.read_text(encoding="utf-8"))
         dotted = f"watch.{where}" if where else "watch"
-        line = lines.get(dotted) or lines.get(f"watch.{top}") or lines.get("watch")
+        line = line_for(yaml_key_lines(path.read_text(encoding="utf-8")), dotted)
         raise ConfigError(message, file=path, line=line, field=dotted) from exc
 
     if "state" in file_values and "state" not in given and settings.state and "://" not in settings.state:

@@ -33,13 +33,14 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from regress.errors import RunError, StorageError
 from regress.storage import atomic_write_text
+from regress.worker.settings import REDIS_SCHEMES
 
 STATE_FORMAT_VERSION = 1
 Status = Literal["seen", "claimed", "queued", "dispatched", "pass", "fail"]
@@ -141,16 +142,21 @@ class WatchState(ABC):
         another watcher initialised it first."""
 
     @abstractmethod
+    def _put_if(self, record: VersionRecord, allowed: Callable[[VersionRecord | None], bool]) -> bool:
+        """Atomically: store ``record`` if ``allowed`` says yes to the version's current record
+        (``None`` when there is none). ``True`` if it was stored."""
+
     def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
         """Record ``record`` (status ``claimed``) unless the version is already recorded (see
         :func:`claimable`); ``True`` if this call claimed it."""
+        return self._put_if(record, lambda current: claimable(current, time.time(), stale_after_s))
 
-    @abstractmethod
     def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
         """Replace the version's record if its status is one of ``expected`` (``None``: whatever
         it is, or if it is missing). ``False`` (and no change) otherwise: a Celery worker that
         already recorded the verdict is not overwritten by the watcher's late "queued", and a
         redelivered check does not record a second verdict."""
+        return self._put_if(record, lambda current: _expected(current, expected))
 
     @abstractmethod
     def release(self, package: str, version: str, statuses: frozenset[str] = IN_FLIGHT) -> bool:
@@ -237,21 +243,11 @@ class FileState(WatchState):
             self._write(state)
             return True
 
-    def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
+    def _put_if(self, record: VersionRecord, allowed: Callable[[VersionRecord | None], bool]) -> bool:
         with self._locked():
             state = self._read()
             entry = state.packages.setdefault(record.package, _PackageState(first_watched=time.time()))
-            if not claimable(entry.versions.get(record.version), time.time(), stale_after_s):
-                return False
-            entry.versions[record.version] = record
-            self._write(state)
-            return True
-
-    def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
-        with self._locked():
-            state = self._read()
-            entry = state.packages.setdefault(record.package, _PackageState(first_watched=time.time()))
-            if not _expected(entry.versions.get(record.version), expected):
+            if not allowed(entry.versions.get(record.version)):
                 return False
             entry.versions[record.version] = record
             self._write(state)
@@ -383,24 +379,11 @@ class RedisState(WatchState):
 
         return self._transaction([self._packages_key, key], body)
 
-    def claim(self, record: VersionRecord, stale_after_s: float) -> bool:
+    def _put_if(self, record: VersionRecord, allowed: Callable[[VersionRecord | None], bool]) -> bool:
         key = self._versions_key(record.package)
 
         def body(pipe: Any) -> bool:
-            if not claimable(self._record(pipe.hget(key, record.version)), time.time(), stale_after_s):
-                return False
-            pipe.multi()
-            pipe.hset(key, record.version, record.model_dump_json())
-            pipe.sadd(self._packages_key, record.package)
-            return True
-
-        return self._transaction([key], body)
-
-    def transition(self, record: VersionRecord, expected: frozenset[str] | None = IN_FLIGHT) -> bool:
-        key = self._versions_key(record.package)
-
-        def body(pipe: Any) -> bool:
-            if not _expected(self._record(pipe.hget(key, record.version)), expected):
+            if not allowed(self._record(pipe.hget(key, record.version))):
                 return False
             pipe.multi()
             pipe.hset(key, record.version, record.model_dump_json())
@@ -447,7 +430,7 @@ def open_state(spec: str | None) -> WatchState:
     if spec is None:
         return FileState(default_state_path())
     scheme = urlsplit(spec).scheme if "://" in spec else ""
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in REDIS_SCHEMES:
         return RedisState(spec)
     if scheme == "file":
         return FileState(urlsplit(spec).path)

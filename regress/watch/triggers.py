@@ -119,16 +119,12 @@ class LocalTrigger(Trigger):
         return self._builtin(request)
 
     def _builtin(self, request: CheckRequest) -> TriggerOutcome:
-        from regress.checks import run_check
+        from regress.checks import executor_for, run_check
         from regress.config import load_params
 
         params = load_params(request.params)
         spec = release_candidate(params, request)
-        executor = None
-        if self.use_params_executor and getattr(params, "executor", "local") == "celery":
-            from regress.worker.executor import CeleryExecutor
-
-            executor = CeleryExecutor(params.celery)
+        executor = executor_for(params) if self.use_params_executor else None
         if self.reporter_factory is None:
             result = run_check(params, spec, executor=executor)
         else:
@@ -185,16 +181,13 @@ class CeleryTrigger(Trigger):
         self.queue = queue or self.settings.queue
 
     def start(self, request: CheckRequest) -> TriggerOutcome:
-        from regress.worker.app import make_app
         from regress.watch.tasks import TASK_CHECK
+        from regress.worker.app import ensure_broker, make_app
 
-        app = make_app(self.settings)
+        app = make_app(self.settings, with_tasks=False)
         task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"
         try:
-            # Fail fast with the broker's own error: sending would first wait for the result
-            # backend's reconnection attempts (about 20 s) and then blame the backend.
-            with app.connection_for_write() as connection:
-                connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.5, timeout=10)
+            ensure_broker(app, self.settings.describe())
             app.send_task(TASK_CHECK, args=[request.model_dump(mode="json")], task_id=task_id, queue=self.queue,
                           retry=True, retry_policy={"max_retries": 3, "interval_start": 0.5,
                                                     "interval_step": 1, "interval_max": 3})

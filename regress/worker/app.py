@@ -2,8 +2,9 @@
 
 Why each setting:
 
-- JSON only (``accept_content``): a pickle message is code execution for whoever can write to
-  the broker; workers refuse it, and results come back as JSON too.
+- JSON only (``accept_content``, ``result_accept_content``): a message in Python's own object
+  serialization is code execution for whoever can write to the broker; workers refuse every
+  content type but JSON, and results come back as JSON too.
 - ``task_acks_late`` + ``task_reject_on_worker_lost``: a shard is acknowledged only after its
   result file is written, so a worker that dies mid-shard leaves it on the broker for another.
   Results are files keyed by (run, shard), so running a shard twice is harmless.
@@ -24,6 +25,7 @@ from typing import Any
 
 from celery import Celery
 
+from regress.errors import RunError
 from regress.worker.settings import CelerySettings
 
 TASK_REPLAY_SHARD = "regress.replay_shard"
@@ -86,6 +88,23 @@ def celery_config(settings: CelerySettings, *, with_tasks: bool = True) -> dict[
         "include": TASK_MODULES if with_tasks else [],
         "worker_hijack_root_logger": False,
     }
+
+
+class BrokerError(RunError):
+    """The broker cannot be reached, or shards stopped arriving; names the broker (never its password)."""
+
+
+def ensure_broker(celery_app: Celery, described: str) -> None:
+    """Fail in seconds, with a message that says what to check, when Redis is not there (sending
+    would first wait out the result backend's reconnection attempts, then blame the backend)."""
+    connection = celery_app.connection_for_write()
+    try:
+        connection.ensure_connection(max_retries=3, interval_start=1, interval_step=2, interval_max=4, timeout=5)
+    except Exception as exc:  # kombu and redis raise their own connection errors
+        raise BrokerError(f"cannot reach the broker {described}: {str(exc).rstrip('.')}; is Redis running, and is "
+                          "the URL right (REGRESS_BROKER_URL or celery.broker_url in params.yaml)?") from exc
+    finally:
+        connection.release()
 
 
 def make_app(settings: CelerySettings | None = None, *, with_tasks: bool = True) -> Celery:

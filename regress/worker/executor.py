@@ -13,19 +13,25 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from regress.errors import RunError
-from regress.replay import ENGINE_INFO_FILE, ExecutionReport, ReplayPlan, Reporter, ShardTask, shard_is_done, shard_message
+from regress.replay import (
+    ENGINE_INFO_FILE,
+    ExecutionReport,
+    ReplayPlan,
+    Reporter,
+    ShardTask,
+    saved_execution_report,
+    shard_is_done,
+    shard_message,
+)
 from regress.runs import VOCAB_FILE
 from regress.storage import atomic_write_text
+from regress.worker.app import BrokerError, ensure_broker, make_app
 from regress.worker.settings import CelerySettings
-
-
-class BrokerError(RunError):
-    """The broker cannot be reached, or shards stopped arriving; names the broker (never its password)."""
 
 
 class ShardsFailedError(RunError):
@@ -34,19 +40,12 @@ class ShardsFailedError(RunError):
 
 @dataclass
 class _Tracked:
+    """One shard on its way through the workers."""
+
     task: ShardTask
-    task_id: str
-    prompts: int
-    sent_at: float
+    task_id: str = ""
     result: dict[str, Any] | None = None
     error: str | None = None
-    sends: int = 1
-
-
-@dataclass
-class _Progress:
-    done: int = 0
-    last_change: float = field(default_factory=time.monotonic)
 
 
 class CeleryExecutor:
@@ -62,7 +61,7 @@ class CeleryExecutor:
                  state_poll_s: float = 2.0):
         self.settings = (settings or CelerySettings()).with_environment()
         self.explicit_queue = queue
-        self.queue = queue or self.settings.queue
+        self.queue = ""  # chosen per run: --queue, else the candidate's queue, else the default
         self.stall_timeout_s = (stall_timeout_s or self.settings.stall_timeout_s
                                 or self.settings.visibility_timeout_s + 600)
         self.broker_outage_s = broker_outage_s
@@ -70,8 +69,6 @@ class CeleryExecutor:
         self.state_poll_s = state_poll_s
 
     def _app(self):  # type: ignore[no-untyped-def]
-        from regress.worker.app import make_app
-
         return make_app(self.settings, with_tasks=False)
 
     def _payload(self, plan: ReplayPlan, run_dir: Path, task: ShardTask) -> dict[str, Any]:
@@ -94,24 +91,25 @@ class CeleryExecutor:
         from celery.result import AsyncResult
 
         pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
-        info_file = run_dir / ENGINE_INFO_FILE
         if not pending:
-            saved = json.loads(info_file.read_text(encoding="utf-8"))
-            return ExecutionReport(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
+            return saved_execution_report(run_dir)
+        info_file = run_dir / ENGINE_INFO_FILE
         self.queue = self.explicit_queue or self.settings.queue_for(plan.candidate.name)
         app = self._app()
         broker = self.settings.describe()
-        self._check_broker(app, broker)
+        ensure_broker(app, broker)
         reporter.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")
         tracked: dict[int, _Tracked] = {}
         outage_since: float | None = None
         try:
             for task in pending:
-                item = _Tracked(task, "", len(task.request["prompts"]), time.monotonic())
+                item = _Tracked(task)
                 self._retry_broker(lambda item=item: self._send(app, plan, run_dir, item), broker)
                 tracked[task.index] = item
             reporter.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
-            progress = _Progress()
+            phases = ["generate"] + (["teacher_force"] if any(t.request["teacher_force"] is not None
+                                                              for t in plan.tasks) else [])
+            last_change = time.monotonic()  # when a shard last finished or failed (stall timeout)
             waiting = dict(tracked)
             last_states = 0.0
             while waiting:
@@ -125,9 +123,9 @@ class CeleryExecutor:
                     if shard_is_done(run_dir, item.task):
                         item.result = self._result_of(AsyncResult(item.task_id, app=app))
                         del waiting[index]
-                        self._advance(plan, reporter, item.prompts)
-                        progress.done += 1
-                        progress.last_change = time.monotonic()
+                        for phase in phases:
+                            reporter.advance(phase, len(item.task.request["prompts"]))
+                        last_change = time.monotonic()
                         continue
                     if not ask_states and outage_since is None:
                         continue
@@ -154,22 +152,21 @@ class CeleryExecutor:
                         for again in waiting.values():
                             if AsyncResult(again.task_id, app=app).state != "STARTED":
                                 self._send(app, plan, run_dir, again)
-                                again.sends += 1
-                        progress.last_change = time.monotonic()
+                        last_change = time.monotonic()
                         break
                     if state == "FAILURE":
                         item.error = str(AsyncResult(item.task_id, app=app).result)
                         del waiting[index]
-                        progress.last_change = time.monotonic()
+                        last_change = time.monotonic()
                     elif state in ("REVOKED", "REJECTED"):
                         item.error = f"the task was {state.lower()} (revoked by an interrupted run, or refused by the worker)"
                         del waiting[index]
-                        progress.last_change = time.monotonic()
+                        last_change = time.monotonic()
                     elif state == "SUCCESS" and not shard_is_done(run_dir, item.task):
                         item.error = (f"the worker reported success but {shard_message(item.task, run_dir, plan.run_id)['out']} "
                                       "is not there: do the workers see this results directory (shared storage)?")
                         del waiting[index]
-                if waiting and time.monotonic() - progress.last_change > self.stall_timeout_s:
+                if waiting and time.monotonic() - last_change > self.stall_timeout_s:
                     missing = ", ".join(str(i) for i in sorted(waiting))
                     raise BrokerError(
                         f"no shard finished for {self.stall_timeout_s:.0f} s on queue '{self.queue}' ({broker}); "
@@ -188,12 +185,6 @@ class CeleryExecutor:
         return self._report(plan, run_dir, tracked, info_file)
 
     @staticmethod
-    def _advance(plan: ReplayPlan, reporter: Reporter, prompts: int) -> None:
-        reporter.advance("generate", prompts)
-        if plan.kind == "replay" and any(t.request["teacher_force"] is not None for t in plan.tasks):
-            reporter.advance("teacher_force", prompts)
-
-    @staticmethod
     def _result_of(result: Any) -> dict[str, Any]:
         # The file is the truth; the worker's reply (engine facts) may lag or be gone after a
         # broker restart, or the shard was written by an earlier attempt.
@@ -203,18 +194,6 @@ class CeleryExecutor:
         except Exception:
             pass
         return {}
-
-    @staticmethod
-    def _check_broker(app: Any, broker: str) -> None:
-        """Fail in seconds, with a message that says what to check, when Redis is not there."""
-        connection = app.connection_for_write()
-        try:
-            connection.ensure_connection(max_retries=3, interval_start=1, interval_step=2, interval_max=4, timeout=5)
-        except Exception as exc:
-            raise BrokerError(f"cannot reach the broker {broker}: {str(exc).rstrip('.')}; is Redis running, and is the URL right "
-                              "(REGRESS_BROKER_URL or celery.broker_url in params.yaml)?") from exc
-        finally:
-            connection.release()
 
     def _retry_broker(self, action: Any, broker: str) -> None:
         deadline = time.monotonic() + min(self.broker_outage_s, 60)

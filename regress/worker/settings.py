@@ -22,6 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+"""URL schemes that name a Redis server (redis-py's ``from_url``)."""
 DEFAULT_QUEUE = "regress"
 
 _ENV = {
@@ -76,7 +78,7 @@ class CelerySettings(BaseModel):
     @field_validator("broker_url", "result_backend")
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
-        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        if value is not None and urlsplit(value).scheme not in REDIS_SCHEMES:
             raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {redact(value)!r}")
         return value
 

@@ -23,7 +23,7 @@ from regress.engine_process import EngineProcess
 from regress.envs import python_for, regress_home
 from regress.errors import EngineError, InputError, RegressError
 from regress.records import CandidateSpec
-from regress.storage import read_shard_meta
+from regress.replay import shard_file_matches
 from regress.worker.app import TASK_REPLAY_SHARD, app
 
 logger = get_task_logger(__name__)
@@ -62,7 +62,6 @@ class WarmEngines:
         # a missing model): later shards of the same candidate fail at once instead of paying
         # for another doomed start each (a run of 1,000 shards would otherwise try 1,000 times).
         self._start_failures: dict[str, tuple[float, RegressError]] = {}
-        self.loads = 0
 
     def get(self, candidate: CandidateSpec, deadline: float | None) -> tuple[EngineProcess, dict[str, Any], bool]:
         """The warm engine for ``candidate`` (loading it if needed): (engine, facts, loaded now)."""
@@ -98,9 +97,8 @@ class WarmEngines:
             raise
         self._start_failures.pop(key, None)
         facts = {"info": info, "environment": str(env.path) if env is not None else None,
-                 "load_s": time.monotonic() - started, "log": str(log)}
+                 "load_s": time.monotonic() - started}
         self._engines[key] = (engine, facts)
-        self.loads += 1
         logger.info("engine for '%s' loaded in %.1f s", candidate.name, facts["load_s"])
         return engine, facts, True
 
@@ -120,13 +118,6 @@ engines = WarmEngines(int(os.environ.get("REGRESS_WORKER_MAX_ENGINES", "1")))
 """This worker process's warm engines (the solo pool runs every task in this process)."""
 
 
-def _already_done(out: Path, fingerprint: str) -> bool:
-    try:
-        return out.is_file() and read_shard_meta(out).get("fingerprint") == fingerprint
-    except (OSError, ValueError):
-        return False
-
-
 def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_restarts: int = 1,
               worker: str | None = None) -> dict[str, Any]:
     """Run one shard described by ``payload`` (see CeleryExecutor); returns facts for the manifest.
@@ -138,7 +129,7 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
     worker = worker or socket.gethostname()
     where = f"worker {worker}"
     base = {"index": message["index"], "worker": worker, "pid": os.getpid()}
-    if _already_done(out, message["meta"]["fingerprint"]):
+    if shard_file_matches(out, message["meta"]["fingerprint"]):
         return {**base, "skipped": True}
     if not out.parent.is_dir():
         raise ShardFailed(f"{where}: candidate '{candidate.name}': the results directory {out.parent} is not there; "
