@@ -70,7 +70,7 @@ def score_candidate(
     from regress.progress import stderr_console
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
-    from regress.scoring import build_metrics, score_runs, write_score_outputs
+    from regress.scoring import build_metrics, expected_answers, score_runs, write_score_outputs
     from regress.verdict import Thresholds
 
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
@@ -80,7 +80,8 @@ def score_candidate(
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
     with stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-        report = score_runs(golden_run, run, thresholds, tags=tags, metrics=metrics)
+        report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
+                            metrics=metrics)
     scores_dir = out or params.scores_dir() / spec.name
     write_score_outputs(report, scores_dir)
     page = None

@@ -149,6 +149,33 @@ class PromptRecord(_Strict):
     """Per-prompt sampling overrides."""
     tags: list[str] = Field(default_factory=list)
     """Free labels used to group and filter prompts in reports."""
+    expected: list[str] | None = None
+    """Checkable answer: a non-empty string, or a non-empty list of accepted strings (any one
+    counts). An output is correct when it contains one, compared case-insensitively after NFKC
+    and whitespace collapsing, on word boundaries (``4`` is not in ``14``; CJK: plain containment;
+    see :mod:`regress.metrics.answers`). Scoring reports the answers golden and candidate get
+    right and the flips between them. Stored as a list."""
+
+    @field_validator("expected", mode="before")
+    @classmethod
+    def _expected_answers(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("must not be empty")
+            return [value]
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string or a list of strings (accepted answers), got {_json_type(value)}")
+        if not value:
+            raise ValueError("must hold at least one accepted answer")
+        for i, answer in enumerate(value):
+            where = f"answer {i + 1}: "
+            if not isinstance(answer, str):
+                raise ValueError(f"{where}must be a string, got {_json_type(answer)}")
+            if not answer.strip():
+                raise ValueError(f"{where}must not be empty")
+        return value
 
     @field_validator("id")
     @classmethod
@@ -185,6 +212,19 @@ class PromptRecord(_Strict):
         if self.messages is not None:
             return {"messages": [m.model_dump() for m in self.messages]}
         return {"prompt": self.prompt}
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__
 
 
 class DatasetCard(_Strict):
@@ -520,6 +560,28 @@ PromptClass = Literal["identical", "benign", "drift", "regression", "input_drift
 MetricValue = float | int | bool | str | None
 
 
+class AnswerCheck(_Record):
+    """A prompt's expected answer checked in both outputs (prompts with ``expected`` only)."""
+
+    expected: list[str]
+    """The accepted answers, from the prompt set."""
+    golden_correct: bool
+    """The golden's output contains an accepted answer."""
+    candidate_correct: bool
+    """The candidate's output contains an accepted answer."""
+    golden_match: str | None = None
+    """The accepted answer found in the golden's output (the first one listed), if any."""
+    candidate_match: str | None = None
+    """The accepted answer found in the candidate's output (the first one listed), if any."""
+
+    @property
+    def flip(self) -> Literal["lost", "gained"] | None:
+        """``lost``: golden correct, candidate not; ``gained``: the other way round; else None."""
+        if self.golden_correct == self.candidate_correct:
+            return None
+        return "lost" if self.golden_correct else "gained"
+
+
 class PromptScore(_Record):
     """One prompt's scores against the golden and the class they add up to."""
 
@@ -533,6 +595,8 @@ class PromptScore(_Record):
     """Why this class (thresholds crossed, or the benign criteria met)."""
     metrics: dict[str, MetricValue]
     """Every metric output by name (see regress.metrics for their meaning)."""
+    answer: AnswerCheck | None = None
+    """The expected answer checked in both outputs; None when the prompt has no ``expected``."""
 
 
 class RunMetrics(_Record):
@@ -580,6 +644,20 @@ class RunMetrics(_Record):
     """Candidate engine process peak memory."""
     golden_peak_memory_mib: float | None
     """Golden engine process peak memory."""
+    answer_prompts: int = 0
+    """Prompts with an expected answer (``expected`` in the prompt set); 0 when none has one."""
+    golden_answers_correct: int = 0
+    """Of those, prompts whose golden output contains an accepted answer."""
+    answers_correct: int = 0
+    """Of those, prompts whose candidate output contains an accepted answer."""
+    answer_flips_lost: int = 0
+    """Prompts whose golden output had the expected answer and the candidate's does not."""
+    answer_flips_gained: int = 0
+    """Prompts whose candidate output has the expected answer and the golden's did not."""
+    answer_flips_lost_ids: list[str] = Field(default_factory=list)
+    """Ids of the prompts whose answer was lost, in prompt set order."""
+    answer_flips_gained_ids: list[str] = Field(default_factory=list)
+    """Ids of the prompts whose answer was gained, in prompt set order."""
 
 
 class ScoreReport(_Record):

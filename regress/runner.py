@@ -12,7 +12,7 @@ Requests::
     {"op": "shard", "index": 0, "prompts": [...], "teacher_force": [...] | null,
      "out": "path/shard-00000.rshard", "meta": {...}}   -> progress events, then {"ok": true, ...}
     {"op": "memory"}                                    -> {"ok": true, "memory": {...}}
-    {"op": "vocab", "out": "path/tokens.json"}          -> {"ok": true}
+    {"op": "vocab", "out": "path/tokens.json"}          -> {"ok": true}  (format: regress.runs)
     {"op": "exit"}
 
 A failed request answers ``{"ok": false, "error": {"type", "message", "traceback"}}`` and the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -165,6 +166,72 @@ def _stack(rows: list[LogprobRows], k: int, prefix: str) -> dict[str, np.ndarray
     return {f"{prefix}token_logprobs": token_lp, f"{prefix}top_ids": top_ids, f"{prefix}top_logprobs": top_lp}
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode table: the character a byte-level BPE vocabulary
+    writes for each of the 256 bytes (printable Latin-1 bytes stand for themselves, the other 68
+    are moved to U+0100 and up, in byte order) -> that byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in keep}
+    moved = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + moved)] = b
+            moved += 1
+    return table
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(token: Any, text: str) -> bytes | None:
+    """Raw bytes of a vocabulary entry (``convert_ids_to_tokens``) whose decoded ``text`` lost
+    bytes to U+FFFD: a sentencepiece byte-fallback token ``<0xE5>``, or a byte-level BPE token
+    mapped back through the GPT-2 table. None when the entry is neither (or does not decode to
+    ``text``, spaces aside: a tokenizer that is not byte-level)."""
+    if not isinstance(token, str) or not token:
+        return None
+    match = _BYTE_FALLBACK.fullmatch(token)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    try:
+        raw = bytes(_BYTE_DECODER[c] for c in token)
+    except KeyError:
+        return None
+    # decode() may have cleaned up spaces around punctuation, and decoders may differ in how many
+    # U+FFFD one broken sequence becomes; anything else means another scheme
+    if _loose(raw.decode("utf-8", "replace")) != _loose(text):
+        return None
+    return raw
+
+
+def _loose(text: str) -> str:
+    return re.sub("\ufffd+", "\ufffd", text.replace(" ", ""))
+
+
+def vocabulary(tokenizer: Any) -> dict[str, Any]:
+    """The content of a run's tokens.json (format in regress.runs): every id's decoded text, and
+    the raw bytes (hex) of each id whose text lost bytes to U+FFFD (byte pieces of a character)."""
+    size = len(tokenizer)
+    pieces = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+    data: dict[str, Any] = {"size": size, "tokens": pieces}
+    # a slow sentencepiece tokenizer may decode a byte-fallback piece to "" rather than U+FFFD
+    lossy = [i for i, text in enumerate(pieces) if "\ufffd" in text or text == ""]
+    found: dict[str, str] = {}
+    try:
+        tokens = tokenizer.convert_ids_to_tokens(lossy) if lossy else []
+        for i, token in zip(lossy, tokens):
+            raw = token_bytes(token, pieces[i])
+            if raw is not None and (pieces[i] or _BYTE_FALLBACK.fullmatch(token)):
+                found[str(i)] = raw.hex()
+    except Exception as exc:  # noqa: BLE001 - only the byte pieces' display is lost
+        print(f"regress: bytes of partial tokens not recorded: {exc}", file=sys.stderr)
+        found = {}
+    if found:
+        data["bytes"] = found
+    return data
+
+
 class Runner:
     """Holds one warm engine and serves shard requests."""
 
@@ -215,14 +282,12 @@ class Runner:
     def write_vocabulary(self, path: str) -> None:
         """Every token id's text, so reports can show tokens without loading a tokenizer."""
         assert self.backend is not None
-        tokenizer = self.backend.get_tokenizer()
         try:
-            size = len(tokenizer)
-            pieces = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+            data = vocabulary(self.backend.get_tokenizer())
         except Exception as exc:  # a tokenizer without these only costs the report its token texts
             print(f"regress: token texts not recorded: {exc}", file=sys.stderr)
             return
-        atomic_write_text(path, json.dumps({"size": size, "tokens": pieces}, ensure_ascii=False))
+        atomic_write_text(path, json.dumps(data, ensure_ascii=False))
 
     def _progress(self, index: int, phase: str) -> Callable[[int], None]:
         state = {"pending": 0, "last": 0.0}

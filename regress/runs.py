@@ -7,16 +7,25 @@
     <run>/engine.log             what the engine process printed
     <run>/tokens.json            the text of every token id (so reports need no tokenizer)
 
+``tokens.json`` holds ``{"size": N, "tokens": [text of id 0, ...], "bytes": {"<id>": "e590", ...}}``.
+``tokens`` is each id decoded alone. ``bytes`` (optional: absent in files written before it, and
+when no token needs it) has the raw bytes, as lowercase hex, of each id whose decoded text lost
+bytes to U+FFFD: a byte-level BPE or byte-fallback token holding only part of a character's
+UTF-8 encoding (a Chinese character or an emoji split over several tokens). Such a *byte piece*
+is displayed as its bytes, ``<0xE5><0x90>`` (whole characters in it stay text, see
+:func:`piece_display`); consecutive pieces join back into the text (see :func:`join_pieces`).
+
 A run is assembled in ``<run>.partial/`` and renamed into place when every shard is there,
 so a reader never sees half a run, and an interrupted run resumes from its finished shards.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from pydantic import ValidationError
@@ -36,6 +45,54 @@ _RAGGED = {
     "output_offsets": ("output_tokens", ("out_token_logprobs", "out_top_ids", "out_top_logprobs")),
     "tf_offsets": ("tf_tokens", ("tf_token_logprobs", "tf_top_ids", "tf_top_logprobs")),
 }
+
+
+def is_partial(raw: bytes) -> bool:
+    """Whether a token's bytes are not valid UTF-8 on their own (a byte piece of a character)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def piece_display(raw: bytes) -> str:
+    """A token's bytes for a reader: valid UTF-8 as text, every other byte as ``<0xE5>``
+    (uppercase hex, as sentencepiece names its byte tokens)."""
+    out: list[str] = []
+    while raw:
+        try:
+            out.append(raw.decode("utf-8"))
+            break
+        except UnicodeDecodeError as exc:
+            out.append(raw[: exc.start].decode("utf-8"))
+            out.append("".join(f"<0x{b:02X}>" for b in raw[exc.start: exc.end]))
+            raw = raw[exc.end:]
+    return "".join(out)
+
+
+def join_pieces(tokens: Sequence[bytes]) -> list[tuple[int, int, str]]:
+    """Where consecutive tokens complete characters: ``(start, end, text)`` for each run
+    ``tokens[start:end]`` of two or more tokens that begins with a byte piece and ends on a
+    character boundary, ``text`` being the run's bytes decoded (U+FFFD where a character was cut
+    off). ``tokens`` holds each token's bytes (:meth:`RunResult.token_bytes`). A run still open
+    at the end is left out."""
+    runs: list[tuple[int, int, str]] = []
+    start: int | None = None
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text: list[str] = []
+    for i, raw in enumerate(tokens):
+        if start is None:
+            if not is_partial(raw):
+                continue
+            start, text = i, []
+            decoder.reset()
+        text.append(decoder.decode(raw))
+        if not decoder.getstate()[0]:
+            if i > start:
+                runs.append((start, i + 1, "".join(text)))
+            start = None
+    return runs
 
 
 def shard_file(run_dir: Path, index: int) -> Path:
@@ -99,13 +156,22 @@ class RunResult:
         """Row of a prompt id."""
         return self._index[prompt_id]
 
+    def _vocab_file(self) -> dict[str, Any]:
+        """tokens.json, read once (empty when missing or unreadable)."""
+        if not hasattr(self, "_vocab"):
+            try:
+                data = json.loads((self.path / VOCAB_FILE).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                data = {}
+            self._vocab: dict[str, Any] = data if isinstance(data, dict) else {}
+        return self._vocab
+
     def token_texts(self) -> list[str]:
         """Text of every token id of the run's tokenizer (empty list if not recorded)."""
         if not hasattr(self, "_token_texts"):
             try:
-                data = json.loads((self.path / VOCAB_FILE).read_text(encoding="utf-8"))
-                self._token_texts: list[str] = list(data["tokens"])
-            except (OSError, ValueError, KeyError):
+                self._token_texts: list[str] = list(self._vocab_file()["tokens"])
+            except (KeyError, TypeError):
                 self._token_texts = []
         return self._token_texts
 
@@ -113,6 +179,43 @@ class RunResult:
         """Text of one token id (``<id>`` when unknown)."""
         texts = self.token_texts()
         return texts[token_id] if 0 <= token_id < len(texts) else f"<{token_id}>"
+
+    def piece_bytes(self) -> dict[int, bytes]:
+        """Raw bytes of every byte piece: the ids whose bytes are not valid UTF-8 on their own
+        (empty when tokens.json does not record bytes)."""
+        if not hasattr(self, "_piece_bytes"):
+            self._piece_bytes: dict[int, bytes] = {}
+            recorded = self._vocab_file().get("bytes")
+            items = list(recorded.items()) if isinstance(recorded, dict) else []
+            for key, value in items:
+                try:
+                    raw = bytes.fromhex(value)
+                    token_id = int(key)
+                except (TypeError, ValueError):
+                    continue
+                if is_partial(raw):
+                    self._piece_bytes[token_id] = raw
+        return self._piece_bytes
+
+    def display_texts(self) -> list[str]:
+        """:meth:`token_texts` for a reader: byte pieces shown as their bytes (``<0xE5><0x90>``)."""
+        if not hasattr(self, "_display_texts"):
+            texts = list(self.token_texts())
+            for token_id, raw in self.piece_bytes().items():
+                if 0 <= token_id < len(texts):
+                    texts[token_id] = piece_display(raw)
+            self._display_texts: list[str] = texts
+        return self._display_texts
+
+    def display_text(self, token_id: int) -> str:
+        """Text of one token id for a reader (``<id>`` when unknown)."""
+        texts = self.display_texts()
+        return texts[token_id] if 0 <= token_id < len(texts) else f"<{token_id}>"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: a byte piece's own, otherwise its text in UTF-8."""
+        raw = self.piece_bytes().get(token_id)
+        return raw if raw is not None else self.token_text(token_id).encode("utf-8", "surrogatepass")
 
     @property
     def teacher_forced(self) -> bool:

@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 from regress.errors import ConfigError
 from regress.metrics import DEFAULT_METRICS, get_metric
+from regress.metrics.answers import matching_answer
 from regress.metrics.base import Pair
-from regress.records import PromptScore, RunMetrics, ScoreReport
+from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoreReport
 from regress.runs import RunResult
 from regress.storage import atomic_write_text
 from regress.verdict import Thresholds, classify, run_verdict
@@ -44,16 +45,67 @@ def _mean(values: list[float]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+ANSWER_SHOWN = 80
+"""Characters of an accepted answer quoted in a prompt's reasons."""
+
+
+def expected_answers(prompt_set: Any) -> dict[str, list[str]]:
+    """Prompt id -> accepted answers, for the prompts of a :class:`~regress.datasets.PromptSet`
+    (or None) that have ``expected``: what :func:`score_runs` takes as ``expected``."""
+    if prompt_set is None:
+        return {}
+    return {p.id: list(p.expected) for p in prompt_set.prompts if p.expected}
+
+
+def check_answer(golden_text: str, candidate_text: str, expected: list[str]) -> AnswerCheck:
+    """The expected answer checked in both outputs."""
+    g, c = matching_answer(golden_text, expected), matching_answer(candidate_text, expected)
+    return AnswerCheck(expected=list(expected), golden_correct=g is not None, candidate_correct=c is not None,
+                       golden_match=g, candidate_match=c)
+
+
+def _quoted(answer: str | None) -> str:
+    text = " ".join((answer or "").split())
+    return repr(text if len(text) <= ANSWER_SHOWN else text[:ANSWER_SHOWN] + "…")
+
+
+def answer_reason(check: AnswerCheck) -> str | None:
+    """The per-prompt reason for an answer flip (None without one)."""
+    if check.flip == "lost":
+        return f"expected answer lost: golden had {_quoted(check.golden_match)}, candidate does not"
+    if check.flip == "gained":
+        return f"expected answer gained: candidate has {_quoted(check.candidate_match)}, golden did not"
+    return None
+
+
+def answer_totals(scores: list[PromptScore]) -> dict[str, Any]:
+    """The RunMetrics fields about expected answers, from per-prompt scores."""
+    checked = [s for s in scores if s.answer is not None]
+    lost = [s.prompt_id for s in checked if s.answer.flip == "lost"]
+    gained = [s.prompt_id for s in checked if s.answer.flip == "gained"]
+    return {
+        "answer_prompts": len(checked),
+        "golden_answers_correct": sum(1 for s in checked if s.answer.golden_correct),
+        "answers_correct": sum(1 for s in checked if s.answer.candidate_correct),
+        "answer_flips_lost": len(lost),
+        "answer_flips_gained": len(gained),
+        "answer_flips_lost_ids": lost,
+        "answer_flips_gained_ids": gained,
+    }
+
+
 def score_runs(
     golden: RunResult,
     run: RunResult,
     thresholds: Thresholds | None = None,
     *,
     tags: dict[str, list[str]] | None = None,
+    expected: dict[str, list[str]] | None = None,
     metrics: list[tuple[Any, Any]] | None = None,
     progress: ProgressFn | None = None,
 ) -> ScoreReport:
-    """Score every prompt of ``run`` against ``golden``."""
+    """Score every prompt of ``run`` against ``golden``. ``expected`` maps prompt ids to their
+    accepted answers (:func:`expected_answers`); those prompts are also checked for them."""
     t = thresholds or Thresholds()
     missing = [pid for pid in run.prompt_ids if pid not in golden]
     if missing:
@@ -75,14 +127,22 @@ def score_runs(
         if progress:
             progress(1)
     tags = tags or {}
+    expected = expected or {}
     scores = []
     counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
     for pair, row in zip(pairs, values):
         klass, reasons = classify(row, t)
         counts[klass] += 1
+        answer = None
+        if expected.get(pair.prompt_id):
+            answer = check_answer(pair.golden.text, pair.candidate.text, expected[pair.prompt_id])
+            why = answer_reason(answer)
+            if why:  # a lost answer leads (it is what a reader acts on); a gained one follows
+                reasons = [why, *reasons] if answer.flip == "lost" else [*reasons, why]
         scores.append(PromptScore(prompt_id=pair.prompt_id, tags=tags.get(pair.prompt_id, []),
-                                  prompt_class=klass, reasons=reasons, metrics=row))
-    verdict, verdict_reasons = run_verdict(counts, t)
+                                  prompt_class=klass, reasons=reasons, metrics=row, answer=answer))
+    answers = answer_totals(scores)
+    verdict, verdict_reasons = run_verdict(counts, t, answers=answers)
 
     positions = sum(int(r.get("tf_positions") or 0) for r in values)
     same_positions = sum((r.get("tf_same_top1_rate") or 0.0) * int(r.get("tf_positions") or 0) for r in values)
@@ -106,6 +166,7 @@ def score_runs(
         golden_engine_load_s=gm.timings.engine_load_s,
         peak_memory_mib=rm.memory.peak_rss_mib,
         golden_peak_memory_mib=gm.memory.peak_rss_mib,
+        **answers,
     )
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
     return ScoreReport(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,

@@ -21,10 +21,16 @@ A single flipped token at a near-tie changes everything after it, so the free-ru
 alone cannot tell noise from damage; the teacher-forced measures (scored on the golden's own
 completion, no cascade) carry most of the decision. See docs/verdicts.md for how the default
 thresholds were measured.
+
+Prompts with an expected answer (``expected`` in the prompt set) are also checked for it in both
+outputs (:mod:`regress.metrics.answers`); that does not change their class. A lost answer (golden
+correct, candidate not) is reported per prompt and per run, and fails the run only when
+``max_answer_flips_lost`` is set and exceeded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -62,6 +68,9 @@ class Thresholds(BaseModel):
     regression (vLLM's own HF-vs-vLLM rule)."""
     max_regressions: int = Field(0, ge=0)
     """The run fails when more prompts than this are regressions."""
+    max_answer_flips_lost: int | None = Field(None, ge=0)
+    """The run fails when more prompts than this lose their expected answer (golden correct,
+    candidate not). None (the default): lost answers are reported, never gating."""
     semantic_model: str | None = None
     """sentence-transformers model for the semantic metric (default: bundled all-MiniLM-L6-v2)."""
     semantic_precision: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -142,12 +151,49 @@ def classify(values: dict[str, MetricValue], t: Thresholds) -> tuple[PromptClass
     return "benign", [f"diverged at token {d} at a near-tie and stayed close by every measure"]
 
 
-def run_verdict(counts: dict[str, int], t: Thresholds) -> tuple[str, list[str]]:
-    """``pass`` or ``fail`` for the run, with reasons."""
+def run_verdict(counts: dict[str, int], t: Thresholds, *,
+                answers: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+    """``pass`` or ``fail`` for the run, with reasons.
+
+    ``answers`` holds the expected-answer counts under their RunMetrics names
+    (``answer_prompts``, ``golden_answers_correct``, ``answers_correct``, ``answer_flips_lost``,
+    ``answer_flips_gained``); without prompts that have an expected answer the verdict and its
+    reasons are those of the classes alone.
+    """
     regressions = counts.get("regression", 0)
+    failures = []
     if regressions > t.max_regressions:
-        return "fail", [f"{regressions} prompt(s) regressed (allowed: {t.max_regressions})"]
+        failures.append(f"{regressions} prompt(s) regressed (allowed: {t.max_regressions})")
+    answer_failure = _answers_fail(answers, t)
+    if answer_failure:
+        failures.append(answer_failure)
+    notes = _answer_notes(answers, t, failed=bool(answer_failure))
+    if failures:
+        return "fail", failures + notes
     reasons = [f"{regressions} regression(s), allowed {t.max_regressions}"]
     if counts.get("input_drift"):
         reasons.append(f"{counts['input_drift']} prompt(s) changed their input tokens: check the tokenizer / chat template")
-    return "pass", reasons
+    return "pass", reasons + notes
+
+
+def _answers_fail(answers: Mapping[str, Any] | None, t: Thresholds) -> str | None:
+    lost = (answers or {}).get("answer_flips_lost", 0)
+    if t.max_answer_flips_lost is not None and lost > t.max_answer_flips_lost:
+        return f"{lost} prompt(s) lost their expected answer (allowed: {t.max_answer_flips_lost})"
+    return None
+
+
+def _answer_notes(answers: Mapping[str, Any] | None, t: Thresholds, *, failed: bool) -> list[str]:
+    n = (answers or {}).get("answer_prompts", 0)
+    if not answers or not n:
+        return []
+    lost, gained = answers.get("answer_flips_lost", 0), answers.get("answer_flips_gained", 0)
+    note = (f"expected answers: golden {answers.get('golden_answers_correct', 0)}/{n} correct, "
+            f"candidate {answers.get('answers_correct', 0)}/{n}; {lost} lost, {gained} gained")
+    if failed:  # the failure reason already says how many were lost and allowed
+        return [note]
+    if t.max_answer_flips_lost is not None:
+        note += f" (allowed lost: {t.max_answer_flips_lost})"
+    elif lost:
+        note += " (reported, not gating: thresholds.max_answer_flips_lost is not set)"
+    return [note]

@@ -4,6 +4,10 @@ Built in (in the order they run): ``exact_tokens``, ``divergence_point``, ``pref
 ``teacher_forced``, ``surface``, ``semantic``. Each is a factory in one module; see
 :mod:`regress.metrics.base` for the contract. Other packages add metrics through the
 ``regress.metrics`` entry-point group.
+
+Expected answers (:mod:`regress.metrics.answers`) are not a registered metric: a pair of outputs
+does not know its prompt's accepted answers, so scoring checks them with the prompt set's
+``expected`` (:func:`regress.scoring.score_runs`).
 """
 
 from __future__ import annotations

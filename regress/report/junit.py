@@ -1,7 +1,9 @@
 """``junit.xml``: one test case per prompt, a failure per regression, for CI test views.
 
 input_drift prompts are ``skipped`` (not comparable token by token); drift and benign prompts
-pass, with their class and reasons in ``system-out``.
+pass, with their class and reasons in ``system-out``. A prompt that lost its expected answer
+(golden correct, candidate not) fails too, like a regression: ``type="answer_lost"`` (or
+``regression`` when it is one as well), the lost answer as the message.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from regress.records import ScoreReport
+from regress.records import PromptScore, ScoreReport
 
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 SHOWN_METRICS = ("first_divergence", "golden_margin", "tf_kl_mean", "tf_same_top1_rate", "tf_max_flipped_margin",
@@ -27,27 +29,50 @@ def _metrics_line(values: dict) -> str:
     return ", ".join(shown)
 
 
+def _answer_lost(s: PromptScore) -> bool:
+    return s.answer is not None and s.answer.flip == "lost"
+
+
+def _answer_line(s: PromptScore) -> list[str]:
+    if s.answer is None:
+        return []
+    a = s.answer
+
+    def said(correct: bool) -> str:
+        return "correct" if correct else "incorrect"
+
+    return [f"expected: {' | '.join(repr(x) for x in a.expected)}; golden {said(a.golden_correct)}, "
+            f"candidate {said(a.candidate_correct)}"]
+
+
 def junit_xml(score: ScoreReport) -> str:
     """The JUnit XML document for one candidate."""
     m = score.metrics
     name = f"regress.{m.candidate}"
-    suites = ET.Element("testsuites", name="regress", tests=str(m.prompts), failures=str(m.regression),
-                        errors="0", skipped=str(m.input_drift))
+    failures = sum(1 for s in score.scores if s.prompt_class == "regression" or _answer_lost(s))
+    skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not _answer_lost(s))
+    suites = ET.Element("testsuites", name="regress", tests=str(m.prompts), failures=str(failures),
+                        errors="0", skipped=str(skipped))
     suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(m.prompts),
-                          failures=str(m.regression), errors="0", skipped=str(m.input_drift), time="0",
+                          failures=str(failures), errors="0", skipped=str(skipped), time="0",
                           timestamp=score.created_at.strftime("%Y-%m-%dT%H:%M:%S"))
     props = ET.SubElement(suite, "properties")
     for key, value in (("verdict", m.verdict), ("candidate", m.candidate), ("baseline", score.golden.candidate.name),
                        ("golden_run", score.golden.run_id), ("candidate_run", score.run.run_id),
                        ("verdict_reasons", "; ".join(score.verdict_reasons))):
         ET.SubElement(props, "property", name=key, value=xml_text(value))
+    if m.answer_prompts:
+        for key, value in (("answer_prompts", m.answer_prompts), ("golden_answers_correct", m.golden_answers_correct),
+                           ("answers_correct", m.answers_correct), ("answer_flips_lost", m.answer_flips_lost),
+                           ("answer_flips_gained", m.answer_flips_gained)):
+            ET.SubElement(props, "property", name=key, value=str(value))
     for s in score.scores:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
-        detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons],
+        detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
                             f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics)])
-        if s.prompt_class == "regression":
-            failure = ET.SubElement(case, "failure", message=xml_text(s.reasons[0] if s.reasons else "regression"),
-                                    type="regression")
+        if s.prompt_class == "regression" or _answer_lost(s):
+            kind = "regression" if s.prompt_class == "regression" else "answer_lost"
+            failure = ET.SubElement(case, "failure", message=xml_text(s.reasons[0] if s.reasons else kind), type=kind)
             failure.text = xml_text(detail)
         elif s.prompt_class == "input_drift":
             ET.SubElement(case, "skipped", message=xml_text(s.reasons[0] if s.reasons else "input drift"))

@@ -85,6 +85,31 @@ class Worst:
     tags: str
 
 
+@dataclass(frozen=True)
+class Answers:
+    """Expected answers of one candidate, for the page, the index and summary.md."""
+
+    prompts: int
+    golden_correct: int
+    candidate_correct: int
+    golden_share: str
+    candidate_share: str
+    lost: int
+    gained: int
+    lost_ids: list[str]
+    gained_ids: list[str]
+
+
+def answers(m: RunMetrics) -> Answers | None:
+    """The expected-answer counts, or None when no prompt of the set has an expected answer."""
+    n = m.answer_prompts
+    if not n:
+        return None
+    return Answers(n, m.golden_answers_correct, m.answers_correct, fmt(m.golden_answers_correct / n, "pct"),
+                   fmt(m.answers_correct / n, "pct"), m.answer_flips_lost, m.answer_flips_gained,
+                   list(m.answer_flips_lost_ids), list(m.answer_flips_gained_ids))
+
+
 def counts(m: RunMetrics) -> list[Count]:
     n = max(m.prompts, 1)
     return [Count(k, CLASS_LABELS[k], getattr(m, k), getattr(m, k) / n, CLASS_HELP[k]) for k in CLASS_ORDER]

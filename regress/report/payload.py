@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from regress.records import PromptScore, ScoreReport
-from regress.runs import RunResult
+from regress.runs import RunResult, join_pieces
 from regress.verdict import Thresholds
 
 CLASS_ORDER = ("regression", "drift", "input_drift", "benign", "identical")
@@ -166,11 +166,17 @@ def _texts(golden: str, candidate: str, cap: int) -> dict[str, Any]:
 
 class _Vocab:
     def __init__(self, run: RunResult):
-        self.texts = run.token_texts()
+        self.texts = run.display_texts()  # byte pieces as <0xE5><0x90>
+        self.pieces = run.piece_bytes()
+        self.bytes = run.token_bytes
 
     def __call__(self, token_id: int) -> str:
         t = self.texts[token_id] if 0 <= token_id < len(self.texts) else f"<{token_id}>"
-        return t if len(t) <= TOKEN_TEXT_CAP else t[:TOKEN_TEXT_CAP] + "…"
+        return _cap_token(t)
+
+
+def _cap_token(t: str) -> str:
+    return t if len(t) <= TOKEN_TEXT_CAP else t[:TOKEN_TEXT_CAP] + "…"
 
 
 class _Tracks:
@@ -190,10 +196,45 @@ class _Tracks:
         return int(self.offsets[row]), int(self.offsets[row + 1])
 
     def topk(self, start: int, d: int, own: int | None, other: int | None) -> list[list[Any]]:
-        """[token text, logprob, 1 if this side chose it / 2 if the other side did / 0] per top-k entry."""
+        """[token text, logprob, 1 if this side chose it / 2 if the other side did / 0] per top-k entry,
+        plus the text it completes for a byte piece that ends characters begun by the pieces before it."""
         ids, lps = self.top_ids[start + d], self.top_lp[start + d]
-        return [[self.vocab(int(i)), _round(float(lp)), 1 if i == own else 2 if i == other else 0]
+        rows = [[self.vocab(int(i)), _round(float(lp)), 1 if i == own else 2 if i == other else 0]
                 for i, lp in zip(ids, lps) if i >= 0 and np.isfinite(lp)]
+        if self.vocab.pieces and d > 0:
+            before = self._boundary(start, d - 1)
+            lead = [self.vocab.bytes(int(t)) for t in self.tokens[start + before:start + d]]
+            kept = [int(i) for i, lp in zip(ids, lps) if i >= 0 and np.isfinite(lp)]
+            for row, token_id in zip(rows, kept):
+                if token_id in self.vocab.pieces:
+                    runs = join_pieces(lead + [self.vocab.pieces[token_id]])
+                    if runs and runs[-1][1] == len(lead) + 1:
+                        row.append(_cap_token(runs[-1][2]))
+        return rows
+
+    def _boundary(self, start: int, i: int) -> int:
+        """Position <= i where the output's bytes start a character: at most 3 byte pieces back
+        from i, past pieces that begin with a UTF-8 continuation byte."""
+        b = i
+        while b > 0 and i - b < 3:
+            raw = self.vocab.pieces.get(int(self.tokens[start + b]))
+            if not raw or raw[0] & 0xC0 != 0x80:
+                break
+            b -= 1
+        return b
+
+    def joined(self, start: int, n: int, lo: int, hi: int) -> list[list[Any]]:
+        """[first, end, text] per run of byte pieces among output tokens lo..hi-1 (indices from lo)
+        that completes characters: what the pieces read as together."""
+        if not self.vocab.pieces:
+            return []
+        b, e = self._boundary(start, lo) if lo < n else lo, min(n, hi + 8)
+        out = []
+        for first, end, text in join_pieces([self.vocab.bytes(int(t)) for t in self.tokens[start + b:start + e]]):
+            first, end = first + b - lo, end + b - lo
+            if end > 0 and first < hi - lo:
+                out.append([max(first, 0), min(end, hi - lo), _cap_token(text)])
+        return out
 
 
 def _window(g: _Tracks, g_row: int, c: _Tracks, c_row: int, d: int) -> dict[str, Any]:
@@ -211,6 +252,10 @@ def _window(g: _Tracks, g_row: int, c: _Tracks, c_row: int, d: int) -> dict[str,
     }
     if lo:
         w["pre0"] = lo
+    for side, tracks, start, n in (("g", g, gs, len(g_tok)), ("c", c, cs, len(c_tok))):
+        joined = tracks.joined(start, n, lo, min(n, d + WINDOW_AFTER))
+        if joined:  # runs of byte pieces in the row pre + side, and the text they complete
+            w[side + "j"] = joined
     g_choice = int(g_tok[d]) if d < len(g_tok) else None
     c_choice = int(c_tok[d]) if d < len(c_tok) else None
     if g_choice is not None:
@@ -244,6 +289,25 @@ def _cap_start_pair(text: str, cap: int) -> list[Any]:
     return [kept, dropped] if dropped else [kept]
 
 
+ANSWERS_SHOWN = 20
+"""Accepted answers of one prompt shown in its details (each cut to TOKEN_TEXT_CAP * 5 characters)."""
+
+
+def _answer(s: PromptScore) -> dict[str, Any]:
+    """``a``: [accepted answers, golden correct, candidate correct, found in golden, found in candidate]
+    for a prompt with an expected answer (nothing otherwise)."""
+    a = s.answer
+    if a is None:
+        return {}
+    cap = TOKEN_TEXT_CAP * 5
+
+    def cut(text: str | None) -> str | None:
+        return text if text is None or len(text) <= cap else text[:cap] + "…"
+
+    return {"a": [[cut(x) for x in a.expected[:ANSWERS_SHOWN]], a.golden_correct, a.candidate_correct,
+                  cut(a.golden_match), cut(a.candidate_match)]}
+
+
 def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
     """Everything the page's script needs, JSON-ready."""
     names = metric_names(score)
@@ -268,6 +332,7 @@ def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_
             except KeyError:
                 record = None
         entry.update(_prompt(record, cap))
+        entry.update(_answer(s))
         if s.prompt_id in run and s.prompt_id in golden:
             g_row, c_row = golden.position(s.prompt_id), run.position(s.prompt_id)
             entry.update(_texts(golden.texts[g_row], run.texts[c_row], cap))

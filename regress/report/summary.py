@@ -16,6 +16,7 @@ from regress.report.render import valid_text
 
 WORST_LISTED = 10
 CHANGES_LISTED = 20
+ANSWER_IDS_LISTED = 20
 CELL_CAP = 80
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#!|~&@])")
 
@@ -40,6 +41,22 @@ def md_code(value: object, cap: int = CELL_CAP) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+def _answers_markdown(score: ScoreReport) -> list[str]:
+    """Expected answers: golden and candidate correct, then the prompts that lost or gained theirs."""
+    a = overview.answers(score.metrics)
+    if a is None:
+        return []
+    lines = ["", f"**Expected answers** ({a.prompts:,} prompts have one): golden {a.golden_correct:,} correct "
+                 f"({md_text(a.golden_share)}), candidate {a.candidate_correct:,} ({md_text(a.candidate_share)}); "
+                 f"**{a.lost:,} lost**, {a.gained:,} gained."]
+    for label, ids, total in (("Lost", a.lost_ids, a.lost), ("Gained", a.gained_ids, a.gained)):
+        if ids:
+            listed = ", ".join(md_code(pid) for pid in ids[:ANSWER_IDS_LISTED])
+            more = f" and {total - ANSWER_IDS_LISTED:,} more" if total > ANSWER_IDS_LISTED else ""
+            lines += ["", f"{label}: {listed}{more}"]
+    return lines
+
+
 def summary_markdown(score: ScoreReport, report_link: str | None = None) -> str:
     """The Markdown summary of one candidate."""
     m = score.metrics
@@ -53,6 +70,7 @@ def summary_markdown(score: ScoreReport, report_link: str | None = None) -> str:
     lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m)]
     for p in overview.performance(score):
         lines.append(f"| {p.label} | {md_text(p.candidate)} (golden {md_text(p.golden)}, {md_text(p.change)}) |")
+    lines += _answers_markdown(score)
     changed = [s for s in config_diff(score.golden, score.run) if s.changed]
     lines += ["", f"**Configuration:** {len(changed)} setting(s) differ from the baseline."]
     if changed:

@@ -443,20 +443,39 @@
     return pre;
   }
 
+  // Byte pieces (tokens shown as <0xE5><0x90>, holding part of a character) that together complete
+  // characters: runs [first, end, text] over a row's token indices (w.pre, then the side's own).
+  function pieceRuns(runs) {
+    var of = Object.create(null), endsAt = Object.create(null);
+    (runs || []).forEach(function (r) {
+      for (var j = r[0]; j < r[1]; j++) of[j] = r[2];
+      endsAt[r[1] - 1] = r[2];
+    });
+    return {
+      title: function (j) { return of[j] === undefined ? "" : " · byte pieces of “" + of[j] + "”"; },
+      after: function (box, j) {
+        if (endsAt[j] !== undefined) box.appendChild(el("span", "cut", "= " + visible(endsAt[j])));
+      }
+    };
+  }
+
   function tokenRow(w, side) {
     var mine = w[side], other = w[side === "g" ? "c" : "g"];
+    var runs = pieceRuns(w[side + "j"]), np = w.pre.length;
     var box = el("div", "toks");
     if (w.pre0) box.appendChild(el("span", "tok end", "… " + plural(w.pre0, "token")));
     w.pre.forEach(function (t, i) {
       var s = el("span", "tok shared", visible(t));
-      s.title = "token " + ((w.pre0 || 0) + i) + " (same on both sides)";
+      s.title = "token " + ((w.pre0 || 0) + i) + " (same on both sides)" + runs.title(i);
       box.appendChild(s);
+      runs.after(box, i);
     });
     mine.forEach(function (t, i) {
       var cls = i === 0 ? "tok diff first " + side : (other[i] === t ? "tok same" : "tok diff " + side);
       var s = el("span", cls, visible(t));
-      s.title = "token " + (w.at + i) + (i === 0 ? " (first divergence)" : "");
+      s.title = "token " + (w.at + i) + (i === 0 ? " (first divergence)" : "") + runs.title(np + i);
       box.appendChild(s);
+      runs.after(box, np + i);
     });
     var n = side === "g" ? w.gn : w.cn;
     var fin = p_finish(side);
@@ -486,6 +505,10 @@
       add(pc, bar, document.createTextNode(" " + (prob * 100).toFixed(1) + " %"));
       var tok = el("td", "t", visible(r[0]));
       tok.title = r[2] === 1 ? "this side chose it" : r[2] === 2 ? "the other side chose it" : "";
+      if (r[3]) {  // a byte piece completing characters begun by the pieces before it
+        tok.appendChild(el("span", "cut", " → " + visible(r[3])));
+        tok.title = (tok.title ? tok.title + " · " : "") + "with the byte pieces before it: " + r[3];
+      }
       add(tr, el("td", "num", i + 1), tok, el("td", "num", isNum(r[1]) ? r[1].toFixed(3) : "—"), pc);
       body.appendChild(tr);
     });
@@ -514,6 +537,7 @@
       p.why.forEach(function (r) { ul.appendChild(el("li", "", r)); });
       body.appendChild(ul);
     }
+    if (p.a) body.appendChild(answerBlock(p.a));
     if (p.pm) {
       body.appendChild(el("h3", "", "Prompt"));
       var pre = el("pre", "text");
@@ -564,6 +588,41 @@
     t.appendChild(tb);
     body.appendChild(t);
     body.scrollTop = 0;
+  }
+
+  // ---------------------------------------------------------------- expected answers
+
+  // a: [accepted answers, golden correct, candidate correct, found in golden, found in candidate]
+  function answerBlock(a) {
+    var box = el("div", "answer");
+    box.appendChild(el("h3", "", "Expected answer"));
+    var list = el("p", "accepted");
+    list.appendChild(el("span", "note", a[0].length > 1 ? "accepted (any one): " : "accepted: "));
+    a[0].forEach(function (x, i) {
+      if (i) list.appendChild(el("span", "note", " | "));
+      list.appendChild(el("code", "", x));
+    });
+    box.appendChild(list);
+    var sides = el("div", "answer-sides");
+    [["golden", a[1], a[3]], ["candidate", a[2], a[4]]].forEach(function (side) {
+      var s = el("span", "answer-side " + (side[1] ? "ok" : "no"), side[0] + (side[1] ? " ✓ correct" : " ✗ incorrect"));
+      if (side[1] && side[2] !== null && side[2] !== undefined) s.title = "contains “" + side[2] + "”";
+      sides.appendChild(s);
+    });
+    if (a[1] !== a[2]) sides.appendChild(el("span", "answer-flip " + (a[1] ? "lost" : "gained"), a[1] ? "answer lost" : "answer gained"));
+    box.appendChild(sides);
+    return box;
+  }
+
+  function setupAnswers() {
+    document.querySelectorAll("#answers a.open-prompt").forEach(function (a) {
+      a.addEventListener("click", function (e) {
+        var i = BY_ID.get(a.dataset.id);
+        if (i === undefined) return;
+        e.preventDefault();
+        open(i);
+      });
+    });
   }
 
   function open(idx) {
@@ -628,5 +687,6 @@
   refresh();
   renderCharts();
   setupDetail();
+  setupAnswers();
   document.body.dataset.ready = "1";
 })();

@@ -1,0 +1,95 @@
+"""The report's Answers section in headless Chromium: links open the prompt's details, nothing injected runs.
+
+Same browser setup as test_report_browser.py (Debian ``chromium`` and ``playwright``; without them
+the tests fail rather than skip).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+try:
+    from playwright.sync_api import expect
+except ImportError:  # the browser fixture fails with the reason
+    expect = None
+
+from report_fixtures import HOSTILE, Case, build_case
+from regress.records import AnswerCheck
+from regress.report import write_candidate_report
+from test_answers import _score, answer_plan
+from test_report_browser import CHROMIUM_ARGS, VIEWPORT, Page
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the playwright package is not installed: run the suite with scripts/test")
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable:
+        pytest.fail("no chromium on PATH (apt-get install chromium): run the suite with scripts/test")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return build_case(tmp_path_factory.mktemp("answers-browser"), 40)
+
+
+@pytest.fixture(scope="module")
+def report(case: Case) -> tuple[Path, Any]:
+    score = _score(case, answer_plan(case))
+    first = score.scores[0]  # a hostile expected answer on an identical prompt: shown as text only
+    hostile = first.model_copy(update={"answer": AnswerCheck(expected=[HOSTILE[0], HOSTILE[1]], golden_correct=True,
+                                                             candidate_correct=True, golden_match=HOSTILE[0],
+                                                             candidate_match=HOSTILE[0])})
+    score = score.model_copy(update={"scores": [hostile, *score.scores[1:]]})
+    return write_candidate_report(score, case.golden, case.run, case.prompt_set, case.root / "reports" / "c"), score
+
+
+@pytest.fixture
+def page(browser: Any, report: tuple[Path, Any]) -> Iterator[Page]:
+    p = Page(browser, report[0].as_uri())
+    p.page.wait_for_selector("body[data-ready='1']")
+    assert p.page.viewport_size == VIEWPORT
+    yield p
+    p.close()
+
+
+def test_answer_links_open_the_prompt(page: Page, report: tuple[Path, Any]) -> None:
+    pg = page.page
+    score = report[1]
+    lost = score.metrics.answer_flips_lost_ids
+    links = pg.locator("#answers a.open-prompt")
+    assert links.count() == len(lost) + len(score.metrics.answer_flips_gained_ids)
+    links.first.click()
+    assert not pg.locator("#detail").is_hidden()
+    assert lost[0] in pg.locator("#detail-title").inner_text()
+    block = pg.locator("#detail-body .answer")
+    assert "answer lost" in block.inner_text()
+    assert pg.locator("#detail-body .answer-side.ok").inner_text().startswith("golden")
+    assert pg.locator("#detail-body .answer-side.no").inner_text().startswith("candidate")
+    assert pg.url.endswith(f"#prompt={lost[0]}")
+    pg.wait_for_timeout(100)
+    assert page.errors == [] and [m for m in page.console if not m.startswith("log:")] == []
+
+
+def test_hostile_expected_answers_show_as_text(page: Page, report: tuple[Path, Any]) -> None:
+    pg = page.page
+    first = report[1].scores[0].prompt_id
+    pg.fill("#search", first)
+    expect(pg.locator("#prompt-rows tr")).to_have_count(1)  # the search waits 120 ms for more typing
+    pg.locator("#prompt-rows tr").click()
+    text = pg.locator("#detail-body .answer").inner_text()
+    assert HOSTILE[0] in text and HOSTILE[1] in text
+    pg.wait_for_timeout(200)
+    assert page.dialogs == [] and page.errors == []
+    assert pg.locator("img").count() == 0 and pg.locator("script").count() == 2
