@@ -63,6 +63,11 @@ class QuantizeJob(BaseModel):
 
     scheme: Literal["W8A8", "W4A16", "W8A16", "FP8_DYNAMIC"]
     """llm-compressor preset scheme."""
+    group_size: int | None = Field(None, ge=1, le=4096)
+    """Weight group size instead of the preset's (int4 presets group 128 columns, which must
+    divide the model's hidden size: SmolLM2-135M's 576 needs 64)."""
+    model: str | None = None
+    """Model directory to quantize (relative to params.yaml); default: the baseline's model."""
 
 
 class _ParamsFile(BaseModel):
@@ -104,6 +109,7 @@ class Params:
     executor: str = "local"
     celery: CelerySettings = field(default_factory=CelerySettings)
     watch: dict[str, Any] = field(default_factory=dict)
+    quantize: dict[str, QuantizeJob] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -226,4 +232,5 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         executor=parsed.executor,
         celery=parsed.celery,
         watch=parsed.watch,
+        quantize=parsed.quantize,
     )

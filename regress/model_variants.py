@@ -23,10 +23,10 @@ def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: fl
     ``dst/perturbation.json``.
     """
     try:
-        import numpy as np
-        from safetensors.numpy import load_file, save_file
+        import torch
+        from safetensors.torch import load_file, save_file
     except ImportError as exc:
-        raise MissingDependencyError("perturbing a model needs safetensors (pip install safetensors)") from exc
+        raise MissingDependencyError("perturbing a model needs torch and safetensors (pip install torch safetensors)") from exc
     src, dst = Path(src), Path(dst)
     weights_file = src / "model.safetensors"
     if not weights_file.is_file():
@@ -36,11 +36,16 @@ def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: fl
     names = sorted(n for n in tensors if n.startswith(prefix))
     if not names:
         raise ConfigError(f"the model has no layer {layer} (no tensor starts with '{prefix}')", field="layer")
+    # numpy draws the noise (same numbers as before for float32 models); torch holds the tensors,
+    # since numpy has no bfloat16 and real checkpoints are stored in it.
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     for name in names:
         t = tensors[name]
-        noise = rng.standard_normal(t.shape).astype(np.float64) * scale * float(t.std())
-        tensors[name] = (t.astype(np.float64) + noise).astype(t.dtype)
+        wide = t.to(torch.float64)
+        noise = torch.from_numpy(rng.standard_normal(tuple(t.shape))) * scale * float(wide.std(correction=0))
+        tensors[name] = (wide + noise).to(t.dtype).contiguous()
     partial = dst.with_name(dst.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)

@@ -40,12 +40,19 @@ def quantize_model(
     out: str | Path,
     *,
     scheme: str,
+    group_size: int | None = None,
     quantizer: EnvSpec = DEFAULT_QUANTIZER,
     on_line: Callable[[str], None] | None = None,
 ) -> Path:
-    """Quantize ``model`` into ``out`` with llm-compressor's ``scheme``; returns ``out``."""
+    """Quantize ``model`` into ``out`` with llm-compressor's ``scheme``; returns ``out``.
+
+    ``group_size`` replaces the preset's weight group size (int4 schemes group by 128 columns,
+    which must divide the model's hidden size).
+    """
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}; supported: {', '.join(SCHEMES)}", field="scheme")
+    if group_size is not None and (group_size < 1 or group_size & (group_size - 1)):
+        raise ConfigError(f"group size must be a power of two, got {group_size}", field="group_size")
     model, out = Path(model).resolve(), Path(out)
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model}: not a model directory (no config.json)", field="model")
@@ -63,13 +70,16 @@ def quantize_model(
         env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out", str(partial.resolve()),
                "--scheme", scheme, "--calibration", str(calibration)]
+        if group_size is not None:
+            cmd += ["--group-size", str(group_size)]
         result = subprocess.run(cmd, cwd=tmp, env=env_vars, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
         shutil.rmtree(partial, ignore_errors=True)
         raise RunError(f"quantizing {model} with {scheme} failed (exit {result.returncode}):\n{tail}")
     (partial / "quantization.json").write_text(
-        json.dumps({"source": str(model), "scheme": scheme, "quantizer": quantizer.describe()}, indent=2))
+        json.dumps({"source": str(model), "scheme": scheme, "group_size": group_size,
+                    "quantizer": quantizer.describe()}, indent=2))
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
