@@ -70,7 +70,7 @@ CELERY_CONFIGS = {
 def write_prompt_set(n: int, path: Path) -> None:
     """``n`` distinct prompts (demo texts, numbered) and a card: greedy, 64 new tokens, top-5."""
     texts = []
-    for line in (REPO / "regress/data/prompts/demo.jsonl").read_text(encoding="utf-8").splitlines():
+    for line in (REPO / "regress/data/prompts/fixture.jsonl").read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         if isinstance(record.get("prompt"), str) and "long-context" not in record.get("tags", []):
             texts.append(record["prompt"])

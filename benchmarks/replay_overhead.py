@@ -52,7 +52,7 @@ if __name__ == "__main__":
 
 
 def make_prompts(n: int, path: Path) -> None:
-    base = [json.loads(line) for line in (REPO / "regress/data/prompts/demo.jsonl").read_text().splitlines()]
+    base = [json.loads(line) for line in (REPO / "regress/data/prompts/fixture.jsonl").read_text().splitlines()]
     texts = [p["prompt"] for p in base if "prompt" in p and "long-context" not in p.get("tags", [])]
     with open(path, "w") as fh:
         for i in range(n):

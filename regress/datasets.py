@@ -22,7 +22,10 @@ from regress.validation import all_errors, yaml_key_lines
 
 MAX_REPORTED_PROBLEMS = 50
 DEMO_PROMPTS = Path(__file__).parent / "data" / "prompts" / "demo.jsonl"
-"""The demo prompt set shipped with regress (English, Chinese, code, long context, chat)."""
+"""The demo prompt set for a real instruct model (questions with checkable answers, multi-turn
+chats, code, Chinese, format instructions, long context): the main job's data."""
+FIXTURE_PROMPTS = Path(__file__).parent / "data" / "prompts" / "fixture.jsonl"
+"""The prompt set written for the fixture model (its corpus' domains): the fast tests' data."""
 
 
 @dataclass(frozen=True)
@@ -157,14 +160,15 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
     return prompt_set, []
 
 
-def write_demo_prompts(out_dir: str | Path) -> Path:
-    """Copy the demo prompt set and its card into ``out_dir`` (atomically); returns the .jsonl path."""
+def write_demo_prompts(out_dir: str | Path, *, which: Path = DEMO_PROMPTS) -> Path:
+    """Copy a prompt set shipped with regress (the demo set by default) and its card into
+    ``out_dir`` (atomically); returns the .jsonl path."""
     from regress.storage import atomic_write_bytes
 
     out_dir = Path(out_dir)
-    for source in (DEMO_PROMPTS, card_path_for(DEMO_PROMPTS)):
+    for source in (which, card_path_for(which)):
         atomic_write_bytes(out_dir / source.name, source.read_bytes())
-    return out_dir / DEMO_PROMPTS.name
+    return out_dir / which.name
 
 
 def load_prompt_set(path: str | Path) -> PromptSet:

@@ -40,7 +40,7 @@ non-overlapping windows (random phase per epoch) instead of independent random w
 Why ``DEFAULT_STEPS = 90``: the fixture should be as confident as a real model -- most
 positions clear winners, a few near-ties -- so that dtype or kernel changes flip a few
 greedy tokens but not most of them. Measured on this machine (2 CPU cores) over greedy
-continuations of the 40 prompts in ``regress/data/prompts/demo.jsonl`` (48 tokens, or the
+continuations of the 40 prompts in ``regress/data/prompts/fixture.jsonl`` (48 tokens, or the
 prompt's max_tokens, stopping at eos) with transformers in float32:
 
     steps  median top-1 prob  near-ties (top1-top2 < 0.1 nat)  top-1 > 0.5

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-from regress.datasets import DEMO_PROMPTS, write_demo_prompts  # noqa: E402
+from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts  # noqa: E402
 
 # Engine settings every test candidate shares: CPU KV cache of 1 GiB (the default fraction of
 # RAM fails on these machines), eager mode (start-up ~30 s instead of ~60 s with compile).
@@ -38,7 +38,7 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
 
 
 def write_params(directory: Path, *, model: Path, candidates: dict[str, Any] | None = None,
-                 baseline: dict[str, Any] | None = None, dataset: str = "datasets/prompts/demo.jsonl",
+                 baseline: dict[str, Any] | None = None, dataset: str = "datasets/prompts/fixture.jsonl",
                  shard_size: int = 16) -> Path:
     """A params.yaml with the fixture model as baseline (current environment by default)."""
     data = {
@@ -111,7 +111,7 @@ def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> Path:
     """A project directory: the demo prompt set and a params.yaml over the fixture model."""
     root = tmp_path_factory.mktemp("workspace")
-    write_demo_prompts(root / "datasets" / "prompts")
+    write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)
     write_params(
         root,
         model=fixture_model,

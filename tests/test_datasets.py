@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_PROMPTS, run_cli, write_params
+from conftest import run_cli, write_params
+from regress.datasets import DEMO_PROMPTS, FIXTURE_PROMPTS
 from regress.datasets import check_prompt_set, load_prompt_set
 from regress.errors import DatasetError
 from regress.records import ResolvedSampling
@@ -104,12 +105,26 @@ def test_bad_card_names_file_line_and_field(tmp_path):
 
 
 def test_demo_prompt_set_is_valid_and_varied():
+    """The main job's set, written for a real instruct model."""
     prompt_set = load_prompt_set(DEMO_PROMPTS)
+    assert len(prompt_set) >= 100
+    tags = {t for p in prompt_set.prompts for t in p.tags}
+    assert {"qa", "multi-turn", "chinese", "code", "format", "long-context", "completion"} <= tags
+    assert sum(1 for p in prompt_set.prompts if p.expected) >= 60
+    assert any(p.messages and len(p.messages) >= 3 for p in prompt_set.prompts)
+    assert prompt_set.card.defaults.temperature == 0
+    result = run_cli("validate", str(DEMO_PROMPTS))
+    assert result.returncode == 0 and f"ok, {len(prompt_set)} prompts" in result.stdout
+
+
+def test_fixture_prompt_set_is_valid_and_varied():
+    """The fast tests' set, written for the fixture model's corpus."""
+    prompt_set = load_prompt_set(FIXTURE_PROMPTS)
     tags = {t for p in prompt_set.prompts for t in p.tags}
     assert {"english", "chinese", "code", "long-context", "chat"} <= tags
     assert any(p.messages for p in prompt_set.prompts)
     assert prompt_set.card.defaults.temperature == 0
-    result = run_cli("validate", str(DEMO_PROMPTS))
+    result = run_cli("validate", str(FIXTURE_PROMPTS))
     assert result.returncode == 0 and "ok, 40 prompts" in result.stdout
 
 

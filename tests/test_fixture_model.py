@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_JSONL = REPO / "regress" / "data" / "prompts" / "demo.jsonl"
-DEMO_YAML = REPO / "regress" / "data" / "prompts" / "demo.yaml"
+DEMO_JSONL = REPO / "regress" / "data" / "prompts" / "fixture.jsonl"
+DEMO_YAML = REPO / "regress" / "data" / "prompts" / "fixture.yaml"
 
 EXPECTED_FILES = {
     "chat_template.jinja",

