@@ -218,6 +218,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # transformers draws a plain tqdm bar per tensor; regress shows its own status line instead.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     directory, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
