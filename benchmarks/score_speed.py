@@ -6,7 +6,8 @@ position, teacher-forced tracks present; texts of --words random words, all dist
 times `score_runs`:
 
 1. without the semantic metric;
-2. with it, cold: every diverged text embedded (all-MiniLM-L6-v2 on the CPU);
+2. with it, cold: every diverged text embedded (all-MiniLM-L6-v2 on the CPU, by the default
+   backend: ONNX + OpenVINO; ``REGRESS_SEMANTIC_BACKEND=torch`` for sentence-transformers);
 3. a second candidate against the same golden: the golden's texts come from the embedding
    cache, only the candidate's are embedded;
 4. the first candidate re-scored (a threshold changed): everything from the cache.
@@ -114,6 +115,7 @@ def main() -> None:
                         help="share of candidate prompts identical to the golden (noise-like candidates: 0.7-0.95)")
     args = parser.parse_args()
     TEXT_WORDS, IDENTICAL_SHARE = args.words, args.identical
+    from regress.metrics.semantic import resolve_backend
     from regress.scoring import build_metrics, score_runs
     from regress.verdict import Thresholds
 
@@ -148,6 +150,7 @@ def main() -> None:
     summary = {"prompts": args.prompts, "tokens": args.tokens, "words_per_text": args.words, "top_k": 5,
                "identical_share": args.identical,
                "cpu_count": os.cpu_count(), "semantic_precision": full.semantic_precision,
+               "semantic_backend": resolve_backend("auto", full.semantic_model)[0],
                "load_runs_s": round(load_s, 2), "run_sizes_bytes": sizes, **results}
     out = REPO / "benchmarks" / "results" / f"score_speed_identical{args.identical}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
