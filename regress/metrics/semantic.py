@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from regress.provenance import file_sha256
+
 from regress.errors import ConfigError, MissingDependencyError
 from regress.metrics.base import Pair, Values, metric
 
@@ -199,14 +201,6 @@ def onnx_unsupported_reason(path: str) -> str | None:
     return None
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_sha256(path: str) -> str:
     """One hash over every file of the model directory (relative names and contents), hashed
     here and now: no cached hash from a shared file is trusted for this."""
@@ -214,7 +208,7 @@ def source_sha256(path: str) -> str:
     total = hashlib.sha256()
     for p in sorted(q for q in root.rglob("*") if q.is_file() and not any(
             part.startswith(".") for part in q.relative_to(root).parts)):
-        total.update(p.relative_to(root).as_posix().encode() + b"\0" + _file_sha256(p).encode() + b"\n")
+        total.update(p.relative_to(root).as_posix().encode() + b"\0" + file_sha256(p).encode() + b"\n")
     return total.hexdigest()
 
 
