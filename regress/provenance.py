@@ -50,26 +50,52 @@ def _cache_path() -> Path:
     return regress_home() / "file-hashes.json"
 
 
-def directory_sha256(directory: str | os.PathLike) -> str | None:
-    """One hash over every file of a directory: relative names and contents, in sorted order.
+def _files(root: Path, skip_hidden: bool) -> list[Path]:
+    """Every file under root, in path order (by components, as the hashes below need)."""
+    return sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and not (skip_hidden and any(part.startswith(".") for part in p.relative_to(root).parts))
+    )
 
-    Hidden entries (``.cache``, ``.git``) are skipped. Returns None if the directory is missing.
+
+def file_hashes(directory: str | os.PathLike, *, skip_hidden: bool = False) -> dict[str, str]:
+    """``{relative posix path: sha256 hex}`` of every file under a directory, hashed now.
+
+    This is what provenance records list, and what tests compare builds with.
+    """
+    root = Path(directory)
+    return {p.relative_to(root).as_posix(): file_sha256(p) for p in _files(root, skip_hidden)}
+
+
+def tree_digest(hashes: dict[str, str]) -> str:
+    """One hash over a ``{relative path: sha256}`` listing: names and contents, in path order."""
+    total = hashlib.sha256()
+    for name in sorted(hashes, key=lambda n: n.split("/")):
+        total.update(name.encode() + b"\0" + hashes[name].encode() + b"\n")
+    return total.hexdigest()
+
+
+def directory_sha256(directory: str | os.PathLike, *, trust_cache: bool = True) -> str | None:
+    """One hash over every file of a directory (:func:`tree_digest`), hidden entries (``.cache``,
+    ``.git``) skipped. Returns None if the directory is missing.
+
+    With ``trust_cache`` a file whose (path, size, mtime) is in ``$REGRESS_HOME/file-hashes.json``
+    is not read again (a model is hashed once per change). Pass ``trust_cache=False`` where the
+    hash guards what gets loaded: a shared cache file could lie.
     """
     root = Path(directory)
     if not root.is_dir():
         return None
+    if not trust_cache:
+        return tree_digest(file_hashes(root, skip_hidden=True))
     cache_file = _cache_path()
     try:
         cache = json.loads(cache_file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         cache = {}
     changed = False
-    total = hashlib.sha256()
-    files = sorted(
-        p for p in root.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
-    for path in files:
+    hashes: dict[str, str] = {}
+    for path in _files(root, skip_hidden=True):
         real = path.resolve()
         stat = real.stat()
         key = str(real)
@@ -80,10 +106,10 @@ def directory_sha256(directory: str | os.PathLike) -> str | None:
             digest = file_sha256(real)
             cache[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
             changed = True
-        total.update(path.relative_to(root).as_posix().encode() + b"\0" + digest.encode() + b"\n")
+        hashes[path.relative_to(root).as_posix()] = digest
     if changed:
         try:
             atomic_write_text(cache_file, json.dumps(cache))
         except OSError:
             pass  # a read-only cache only costs time
-    return total.hexdigest()
+    return tree_digest(hashes)

@@ -108,10 +108,10 @@ def fixture_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def directory_hashes(directory: Path) -> dict[str, str]:
-    """sha256 of every file directly in a directory, by name."""
-    import hashlib
+    """sha256 of every file under a directory, by relative path (regress.provenance.file_hashes)."""
+    from regress.provenance import file_hashes
 
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+    return file_hashes(directory)
 
 
 @pytest.fixture(scope="session")
@@ -161,6 +161,14 @@ def same_run(workspace: Path, golden_dir: Path) -> subprocess.CompletedProcess[s
     result = run_cli("replay", "same", cwd=workspace)
     assert result.returncode == 0, result.stderr
     return result
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for every browser test of the session (tests/browser.py)."""
+    from browser import launch_browser
+
+    yield from launch_browser()
 
 
 @pytest.fixture(scope="session")

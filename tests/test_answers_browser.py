@@ -1,12 +1,10 @@
 """The report's Answers section in headless Chromium: links open the prompt's details, nothing injected runs.
 
-Same browser setup as test_report_browser.py (Debian ``chromium`` and ``playwright``; without them
-the tests fail rather than skip).
+The browser is the session fixture of conftest.py (tests/browser.py).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,26 +15,11 @@ try:
 except ImportError:  # the browser fixture fails with the reason
     expect = None
 
+from browser import VIEWPORT, Page
 from report_fixtures import HOSTILE, Case, build_case
 from regress.records import AnswerCheck
 from regress.report import write_candidate_report
 from test_answers import _score, answer_plan
-from test_report_browser import CHROMIUM_ARGS, VIEWPORT, Page
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("the playwright package is not installed: run the suite with scripts/test")
-    executable = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not executable:
-        pytest.fail("no chromium on PATH (apt-get install chromium): run the suite with scripts/test")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -26,38 +26,7 @@ from regress.records import Generation
 pytest.importorskip("openvino")
 pytest.importorskip("onnx")
 
-TEXTS = [
-    "The cat sat on the warm windowsill in the sun.",
-    "A cat was sitting on the sunny, warm window sill.",
-    "Quarterly revenue rose because of strong bond sales.",
-    "The capital of France is Paris.",
-    "Paris is the capital city of France, on the Seine.",
-    "Berlin is the capital of Germany.",
-    "量子计算机使用量子比特进行计算。",
-    "量子计算机利用量子位来完成计算任务。",
-    "今天天气很好，我们去公园散步吧。",
-    "北京是中国的首都。",
-    "def add(a, b):\n    return a + b",
-    "def add(x, y):\n    \"\"\"Sum of two numbers.\"\"\"\n    return x + y",
-    "for i in range(10):\n    print(i * i)",
-    "SELECT name, COUNT(*) FROM users GROUP BY name ORDER BY 2 DESC;",
-    "#include <stdio.h>\nint main(void) { printf(\"hi\\n\"); return 0; }",
-    "const sum = (a, b) => a + b; console.log(sum(2, 3));",
-    "Le chat dort sur le canapé.",
-    "Der Hund spielt im Garten mit einem Ball.",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10",
-    "Answer: 42",
-    "Yes.",
-    "No, that is not correct; the answer is 7.",
-    "Plants turn sunlight into chemical energy through photosynthesis.",
-    "la femme, la femme, la femme, la femme, la femme, la femme",
-    "混合 English 和中文的句子 with some code: `print('你好')`",
-    "  leading and trailing whitespace  \n",
-    "emoji 😀 and symbols ∑ ∫ √ ≠ ≤",
-    "x",
-    " ".join(["river stone garden window kettle morning harbour lantern"] * 40),  # truncated at 256 tokens
-    " ".join(["the model generates a long answer about many different topics"] * 30),
-]
+TEXTS = json.loads((Path(__file__).parent / "data" / "varied_texts.json").read_text(encoding="utf-8"))["texts"]
 
 
 @pytest.fixture(scope="module")
