@@ -36,7 +36,7 @@ import json, os, sys, time
 if __name__ == "__main__":
     t0 = time.perf_counter()  # load = import + engine start, as regress's engine_load_s counts it
     import torch
-    torch.cpu._init_amx()  # same AMX permission request regress makes (see regress/runner.py)
+    torch.cpu._init_amx()  # same AMX permission request regress makes (see regress/engine/facts.py)
     from vllm import LLM, SamplingParams
     model, prompts_file, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     prompts = [json.loads(line)["prompt"] for line in open(prompts_file)]

@@ -11,17 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from regress.config import Params
-from regress.records import CandidateSpec, RunManifest, ScoreReport
+from regress.records import CandidateSpec, RunManifest, ScoredRun
 
 if TYPE_CHECKING:
-    from regress.replay import Executor, Reporter
+    from regress.replay import Executor, ProgressSink
 
 
 @dataclass(frozen=True)
 class ScoredCandidate:
     """Where a scored candidate's outputs went."""
 
-    report: ScoreReport
+    report: ScoredRun
     scores_dir: Path
     page: Path | None
 
@@ -102,7 +102,7 @@ def run_check(
     *,
     golden_dir: Path | None = None,
     executor: "Executor | None" = None,
-    reporter: "Reporter | None" = None,
+    progress: "ProgressSink | None" = None,
     force: bool = False,
 ) -> CheckResult:
     """Replay ``spec`` against the golden into runs/<name>, score it and write its report."""
@@ -110,9 +110,11 @@ def run_check(
     from regress.replay import replay
     from regress.runs import load_run
 
+    if executor is None:  # runs here: a missing model directory is an error now, not after env and engine start
+        params.check_model_paths(spec)
     prompt_set = load_prompt_set(params.dataset)
     golden_run = load_run(golden_dir or params.golden_dir())
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
-                      executor=executor, reporter=reporter, force=force)
+                      executor=executor, progress=progress, force=force)
     scored = score_candidate(params, spec, golden_dir=golden_dir)
     return CheckResult(manifest, scored)

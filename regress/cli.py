@@ -1,7 +1,10 @@
 """The ``regress`` command.
 
 Exit codes: 0 no regression, 1 regression found, 2 usage / configuration / input error,
-3 the check could not run (environment or engine failure; retrying may help).
+3 the check could not run (environment or engine failure; retrying may help). An exception
+that is not a regress error (a bug, or a failure nobody mapped) also exits 3, never 1: one
+line on stderr names it and the crash log (``$REGRESS_HOME/logs/crash-*.log``) holding its
+traceback.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ app = typer.Typer(
         "Typical flow: `regress model smollm2-135m-instruct` (a real model, offline), `regress golden` (run the baseline), "
         "`regress replay CANDIDATE` (run a candidate against the golden).\n\n"
         "Exit codes: 0 no regression, 1 regression found, 2 usage/configuration/input error, "
-        "3 could not run (environment or engine failure)."
+        "3 could not run (environment or engine failure, or a crash: its traceback goes to "
+        "$REGRESS_HOME/logs/crash-*.log)."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -183,16 +187,19 @@ def golden(
     from regress.checks import executor_for
     from regress.config import load_params
     from regress.datasets import load_prompt_set
-    from regress.progress import RichReporter
+    from regress.progress import RichProgress
     from regress.replay import replay as run_replay
 
     p = load_params(params)
     spec = p.candidate(candidate)
+    chosen = executor_for(p, executor, queue)
+    if chosen is None:  # runs here: a missing model directory is an error now, not after env and engine start
+        p.check_model_paths(spec)
     prompt_set = load_prompt_set(dataset or p.dataset)
     out_dir = out or p.golden_dir()
-    with RichReporter(f"golden '{spec.name}'") as reporter:
-        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, reporter=reporter,
-                              force=force, executor=executor_for(p, executor, queue))
+    with RichProgress(f"golden '{spec.name}'") as progress:
+        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
+                              force=force, executor=chosen)
     _summarise(manifest, out_dir)
 
 
@@ -213,19 +220,22 @@ def replay(
     from regress.checks import executor_for
     from regress.config import load_params
     from regress.datasets import load_prompt_set
-    from regress.progress import RichReporter
+    from regress.progress import RichProgress
     from regress.replay import replay as run_replay
     from regress.runs import load_run
 
     p = load_params(params)
     spec = p.candidate(candidate)
+    chosen = executor_for(p, executor, queue)
+    if chosen is None:  # runs here: a missing model directory is an error now, not after env and engine start
+        p.check_model_paths(spec)
     prompt_set = load_prompt_set(dataset or p.dataset)
     golden_run = load_run(golden_dir or p.golden_dir())
     out_dir = out or p.run_dir(spec.name)
-    with RichReporter(f"replay '{spec.name}'") as reporter:
+    with RichProgress(f"replay '{spec.name}'") as progress:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
-                              teacher_force=teacher_force, reporter=reporter, force=force,
-                              executor=executor_for(p, executor, queue))
+                              teacher_force=teacher_force, progress=progress, force=force,
+                              executor=chosen)
     _summarise(manifest, out_dir)
 
 
@@ -292,13 +302,13 @@ def check(
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
     from regress.checks import executor_for, run_check
     from regress.config import load_params
-    from regress.progress import RichReporter
+    from regress.progress import RichProgress
 
     p = load_params(params)
     spec = p.candidate(candidate)
-    with RichReporter(f"replay '{spec.name}'") as reporter:
+    with RichProgress(f"replay '{spec.name}'") as progress:
         result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
-                           reporter=reporter, force=force)
+                           progress=progress, force=force)
     _summarise(result.manifest, p.run_dir(spec.name))
     _print_scores(result.scored.report)
     _out(f"report: {result.scored.page}")
@@ -317,7 +327,7 @@ def report(
     from regress.datasets import load_prompt_set
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
-    from regress.scoring import SCORES_FILE, read_score_report
+    from regress.scoring import SCORES_FILE, read_scored_run
 
     p = load_params(params)
     scores_dir, reports_dir = p.scores_dir(), p.reports_dir()
@@ -325,7 +335,7 @@ def report(
     prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
     golden_run = load_run(p.golden_dir())
     for name in names:
-        scores = read_score_report(scores_dir / name)
+        scores = read_scored_run(scores_dir / name)
         page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
         _out(f"report: {page}")
     _out(f"index: {refresh_index(reports_dir, scores_dir)}")
@@ -395,7 +405,8 @@ def worker(
     settings = settings.with_environment()
     updates = {k: v for k, v in {"broker_url": broker, "visibility_timeout_s": visibility_timeout}.items() if v is not None}
     if updates:
-        settings = CelerySettings.model_validate({**settings.model_dump(), **updates})
+        settings = settings.updated(updates, names={"broker_url": "--broker",
+                                                    "visibility_timeout_s": "--visibility-timeout"})
     run_worker(settings, queues=queue or [settings.queue], name=name, max_engines=max_engines, loglevel=loglevel)
 
 
@@ -524,30 +535,105 @@ from regress.watch.cli import register as register_watch  # noqa: E402  (adds `r
 register_watch(app)
 
 
-def main() -> None:
-    """Entry point: run the app, turning regress errors into a message and an exit code."""
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The classes of usage errors (unknown command or option, missing argument, bad value):
+    typer's own base class where typer bundles click, else click's."""
+    found: list[type[Exception]] = []
+    bundled = getattr(typer, "TyperException", None)
+    if isinstance(bundled, type):
+        found.append(bundled)
     try:
-        code = app(standalone_mode=False)
+        import click
+    except ImportError:
+        pass
+    else:
+        found.append(click.ClickException)
+    return tuple(found)
+
+
+def write_crash_log(exc: BaseException) -> Path | None:
+    """Write the full traceback of an unexpected exception (with the command line and versions)
+    to ``$REGRESS_HOME/logs/crash-<UTC time>-<pid>.log``, else under the temporary directory;
+    its path, or None if neither is writable."""
+    import os
+    import platform
+    import tempfile
+    import traceback
+    from datetime import datetime, timezone
+    from importlib.metadata import PackageNotFoundError, version
+
+    from regress.envs import regress_home
+
+    now = datetime.now(timezone.utc)
+    name = f"crash-{now.strftime('%Y%m%dT%H%M%SZ')}-{os.getpid()}.log"
+    try:
+        regress_version = version("regress")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        regress_version = "(not installed)"
+    text = (
+        f"regress {regress_version} crashed at {now.isoformat(timespec='seconds')}\n"
+        f"command: {' '.join(sys.argv)}\n"
+        f"cwd: {os.getcwd()}\n"
+        f"python: {sys.version.split()[0]} on {platform.platform()}\n\n"
+        + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    )
+    for directory in (regress_home() / "logs", Path(tempfile.gettempdir()) / "regress-logs"):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / name
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def report_crash(exc: BaseException) -> int:
+    """Say in one line that ``exc`` (not a regress error: a bug in regress or a plugin, or a
+    failure nobody mapped) stopped the command, with where its traceback went; returns exit 3.
+    Never 1: CI must not read a crash as "regression found"."""
+    from regress.errors import EXIT_RUN_FAILED
+
+    log = write_crash_log(exc)
+    first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+    where = f"full traceback in {log}" if log else "no crash log could be written"
+    print_error(f"unexpected {type(exc).__module__}.{type(exc).__qualname__}"
+                + (f": {first_line}" if first_line else "")
+                + f" (the check could not run; {where})")
+    return EXIT_RUN_FAILED
+
+
+def run_app(typer_app: typer.Typer) -> None:
+    """Run ``typer_app`` and exit with the code the project's conventions give: the regress
+    error's own, 2 for usage errors, 130 when interrupted, 3 with a crash log for anything else."""
+    try:
+        code = typer_app(standalone_mode=False)
     except RegressError as exc:
         print_error(str(exc))
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
+        # click turns Ctrl-C into Abort; a KeyboardInterrupt outside its main loop arrives as is.
         stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
         sys.exit(130)
-    except Exception as exc:
-        # Usage errors (unknown command or option, missing argument) come from the click that
-        # typer bundles, whose classes are not importable under a stable name: recognise them by
-        # what they offer. They print their own message and exit 2.
-        show, code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
-        if callable(show) and isinstance(code, int):
+    except _usage_errors() as exc:
+        show = getattr(exc, "show", None)
+        if callable(show):
             show()
-            sys.exit(code)
-        if type(exc).__name__ == "Abort":
-            sys.exit(130)
-        raise
+        else:
+            print_error(str(exc))
+        # A usage error's own code is 2; a file argument that cannot be opened says 1, which is
+        # the verdict "regression found": it is an input error too.
+        sys.exit(EXIT_INPUT)
+    except Exception as exc:  # noqa: BLE001 - the last boundary: whatever no one mapped
+        sys.exit(report_crash(exc))
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def main() -> None:
+    """Entry point of ``regress``."""
+    run_app(app)
 
 
 if __name__ == "__main__":

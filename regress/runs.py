@@ -115,7 +115,7 @@ def read_manifest(run_dir: str | Path) -> RunManifest:
         raise StorageError(f"{run_dir}: not a complete run, {MANIFEST} is missing{hint}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise StorageError(f"{path}: unreadable manifest: {exc}") from exc
     version = data.get("format_version") if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
@@ -287,6 +287,45 @@ def _concatenate(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return joined
 
 
+_META_LISTS = ("prompt_ids", "texts", "finish_reasons", "sampling")
+_REQUIRED_OFFSETS = ("prompt_offsets", "output_offsets")
+
+
+def _check_shard(file: Path, meta: dict[str, Any], arrays: dict[str, np.ndarray], count: int) -> None:
+    """Raise :class:`StorageError` naming ``file`` unless the shard holds ``count`` prompts with
+    consistent per-prompt lists and ragged arrays: a shard that parses but does not add up
+    (edited, or written by a broken tool) would otherwise fail deep inside scoring."""
+
+    def bad(why: str) -> StorageError:
+        return StorageError(f"{file}: not a consistent shard: {why}")
+
+    for key in _META_LISTS:
+        value = meta.get(key)
+        if not isinstance(value, list):
+            raise bad(f"meta.json has no '{key}' list")
+        if len(value) != count:
+            if key == "prompt_ids":
+                raise StorageError(f"{file}: holds {len(value)} prompts, the layout says {count}")
+            raise bad(f"'{key}' has {len(value)} entries for {count} prompts")
+    for offsets_key, (values_key, rows) in _RAGGED.items():
+        if offsets_key not in arrays:
+            if offsets_key in _REQUIRED_OFFSETS:
+                raise bad(f"the array '{offsets_key}' is missing")
+            continue
+        offsets, values = arrays[offsets_key], arrays.get(values_key)
+        if values is None:
+            raise bad(f"the array '{values_key}' is missing")
+        if offsets.ndim != 1 or len(offsets) != count + 1 or offsets.dtype.kind not in "iu":
+            raise bad(f"'{offsets_key}' is not {count + 1} integer offsets")
+        if offsets[0] != 0 or offsets[-1] != len(values) or (np.diff(offsets) < 0).any():
+            raise bad(f"'{offsets_key}' does not index '{values_key}' ({len(values)} values)")
+        for key in rows:
+            if key not in arrays:
+                raise bad(f"the array '{key}' is missing")
+            if len(arrays[key]) != len(values):
+                raise bad(f"'{key}' has {len(arrays[key])} rows for {len(values)} tokens")
+
+
 def load_run(path: str | Path) -> RunResult:
     """Read a complete run directory into a :class:`RunResult`."""
     run_dir = Path(path)
@@ -302,10 +341,12 @@ def load_run(path: str | Path) -> RunResult:
             meta, arrays = read_shard(file)
         except FileNotFoundError as exc:
             raise StorageError(f"{file}: shard {shard.index} is missing from a run marked complete") from exc
-        except ValueError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: damaged or foreign (regress.storage)
             raise StorageError(f"{file}: {exc}") from exc
-        if len(meta["prompt_ids"]) != shard.count:
-            raise StorageError(f"{file}: holds {len(meta['prompt_ids'])} prompts, the layout says {shard.count}")
+        _check_shard(file, meta, arrays, shard.count)
+        if parts and set(arrays) != set(parts[0]):
+            raise StorageError(f"{file}: holds the arrays {sorted(arrays)}, the run's first shard "
+                               f"{sorted(parts[0])}: shards of two different runs?")
         prompt_ids += meta["prompt_ids"]
         texts += meta["texts"]
         finish += meta["finish_reasons"]

@@ -1,20 +1,25 @@
 """Score a candidate run against its golden: metrics per prompt, classes, aggregates, verdict.
 
 Reads two complete runs, writes nothing: :func:`score_runs` returns a
-:class:`~regress.records.ScoreReport`; :func:`write_score_outputs` stores it.
+:class:`~regress.records.ScoredRun`; :func:`write_score_outputs` stores it. Which values are
+aggregated, and how, is what each metric declares (:class:`regress.metrics.spec.Aggregate`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 from regress.errors import ConfigError
-from regress.metrics import DEFAULT_METRICS, get_metric
+from regress.metrics import DEFAULT_METRICS, get_metric, output_specs
 from regress.metrics.answers import matching_answer
-from regress.metrics.base import Pair
-from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoreReport
+from regress.metrics.base import MetricInfo, Pair
+from regress.metrics.spec import Output
+from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
 from regress.runs import RunResult
 from regress.storage import atomic_write_text
 from regress.verdict import Thresholds, classify, run_verdict
@@ -25,24 +30,73 @@ METRICS_FILE = "metrics.json"
 ProgressFn = Callable[[int], None]
 
 
-def build_metrics(t: Thresholds, *, encoder: Any = None, cache_dir: Path | None = None) -> list[tuple[Any, Any]]:
-    """(MetricInfo, configured function) for every metric in force. ``cache_dir`` keeps
-    sentence embeddings between runs (default: in memory only)."""
+def _accepts(factory: Callable[..., Any], name: str) -> bool:
+    params = inspect.signature(factory).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def build_metrics(t: Any, **context: Any) -> list[tuple[MetricInfo, Any]]:
+    """(MetricInfo, configured function) for every metric in force (``t.metrics``, default: the
+    built-ins). Each factory gets its declared options from ``t``, and whichever of ``context``
+    it takes by name (``cache_dir``: where sentence embeddings persist; ``encoder``: an
+    embedding model already loaded)."""
     built = []
     for name in t.metrics or DEFAULT_METRICS:
         info = get_metric(name)
-        if name == "semantic":
-            fn = info.factory(model=t.semantic_model, encoder=encoder, precision=t.semantic_precision,
-                              cache_dir=cache_dir)
-        else:
-            fn = info.factory()
-        built.append((info, fn))
+        kwargs = {param: getattr(t, setting.name) for param, setting in info.options.items()}
+        kwargs.update({k: v for k, v in context.items() if _accepts(info.factory, k)})
+        built.append((info, info.factory(**kwargs)))
     return built
 
 
-def _mean(values: list[float]) -> float | None:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(vals) / len(vals) if vals else None
+def _numbers(values: list[Any]) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not (isinstance(v, float) and math.isnan(v))]
+
+
+def aggregate(spec: Output, rows: Sequence[dict[str, Any]]) -> float | None:
+    """One number of the run from a value of every prompt, as its spec says (None: nothing to aggregate)."""
+    a = spec.aggregate
+    if a is None or a.how == "none":
+        return None
+    if a.how == "rate":
+        flags = [v for v in (r.get(spec.name) for r in rows) if v is not None]
+        return sum(1 for v in flags if v) / len(flags) if flags else None
+    if a.weight:
+        pairs = [(r.get(spec.name), r.get(a.weight)) for r in rows]
+        total = sum(int(w or 0) for _, w in pairs)
+        return sum((v or 0.0) * int(w or 0) for v, w in pairs) / total if total else None
+    vals = _numbers([r.get(spec.name) for r in rows])
+    if not vals:
+        return None
+    if a.how == "mean":
+        return sum(vals) / len(vals)
+    if a.how == "median":
+        return float(statistics.median(vals))
+    return float(max(vals) if a.how == "max" else min(vals))
+
+
+def _own_field(key: str) -> bool:
+    """Whether ``key`` is a RunMetrics field that holds an aggregate (a number that may be missing)."""
+    field = RunMetrics.model_fields.get(key)
+    if field is None:
+        return False
+    if field.annotation != (float | None):
+        raise TypeError(f"a metric aggregates to {key!r}, a metrics.json field that holds something else")
+    return True
+
+
+def aggregates(infos: Sequence[MetricInfo], rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(RunMetrics fields, extra aggregates) of the metrics in force. A registered metric that did
+    not run leaves its RunMetrics field None."""
+    fields: dict[str, Any] = {key: None for key in (s.aggregate_key for s in output_specs()) if key and _own_field(key)}
+    extra: dict[str, Any] = {}
+    for info in infos:
+        for spec in info.values:
+            key = spec.aggregate_key
+            if key is not None:
+                (fields if _own_field(key) else extra)[key] = aggregate(spec, rows)
+    return fields, extra
 
 
 ANSWER_SHOWN = 80
@@ -103,7 +157,7 @@ def score_runs(
     expected: dict[str, list[str]] | None = None,
     metrics: list[tuple[Any, Any]] | None = None,
     progress: ProgressFn | None = None,
-) -> ScoreReport:
+) -> ScoredRun:
     """Score every prompt of ``run`` against ``golden``. ``expected`` maps prompt ids to their
     accepted answers (:func:`expected_answers`); those prompts are also checked for them."""
     t = thresholds or Thresholds()
@@ -144,20 +198,15 @@ def score_runs(
     answers = answer_totals(scores)
     verdict, verdict_reasons = run_verdict(counts, t, answers=answers)
 
-    positions = sum(int(r.get("tf_positions") or 0) for r in values)
-    same_positions = sum((r.get("tf_same_top1_rate") or 0.0) * int(r.get("tf_positions") or 0) for r in values)
-    diverged = [r["first_divergence"] for r in values if r.get("first_divergence") is not None]
     gm, rm = golden.manifest, run.manifest
     n = len(scores)
-    aggregates = RunMetrics(
+    fields, extra = aggregates([info for info, _ in metrics], values)
+    run_metrics = RunMetrics(
         candidate=rm.candidate.name,
         prompts=n,
         **counts,
         exact_match_rate=counts["identical"] / n if n else 0.0,
-        mean_teacher_forced_kl=_mean([r.get("tf_kl_mean") for r in values]),
-        same_top1_rate=same_positions / positions if positions else None,
-        mean_semantic_similarity=_mean([r.get("semantic_similarity") for r in values]),
-        mean_first_divergence=_mean([float(d) for d in diverged]),
+        **fields,
         verdict=verdict,
         tokens_per_s=rm.timings.tokens_per_s,
         golden_tokens_per_s=gm.timings.tokens_per_s,
@@ -167,23 +216,24 @@ def score_runs(
         peak_memory_mib=rm.memory.peak_rss_mib,
         golden_peak_memory_mib=gm.memory.peak_rss_mib,
         **answers,
+        extra=extra,
     )
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
-    return ScoreReport(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
-                       metrics=aggregates, verdict_reasons=verdict_reasons, scores=scores)
+    return ScoredRun(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
+                     metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
 
 
-def write_score_outputs(report: ScoreReport, out_dir: str | Path) -> tuple[Path, Path]:
+def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, Path]:
     """Write ``scores.json`` (everything) and ``metrics.json`` (aggregates, DVC metrics) atomically."""
     out_dir = Path(out_dir)
     scores_path, metrics_path = out_dir / SCORES_FILE, out_dir / METRICS_FILE
-    atomic_write_text(scores_path, report.model_dump_json(indent=1))
-    atomic_write_text(metrics_path, report.metrics.model_dump_json(indent=2))
+    atomic_write_text(scores_path, scored.model_dump_json(indent=1))
+    atomic_write_text(metrics_path, scored.metrics.model_dump_json(indent=2))
     return scores_path, metrics_path
 
 
-def read_score_report(path: str | Path) -> ScoreReport:
-    """Read a ``scores.json`` back."""
+def read_scored_run(path: str | Path) -> ScoredRun:
+    """Read a ``scores.json`` back (``path`` may be its directory)."""
     from pydantic import ValidationError
 
     from regress.errors import StorageError
@@ -192,7 +242,7 @@ def read_score_report(path: str | Path) -> ScoreReport:
     if path.is_dir():
         path = path / SCORES_FILE
     try:
-        return ScoreReport.model_validate_json(path.read_text(encoding="utf-8"))
+        return ScoredRun.model_validate_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise StorageError(f"{path}: no such file (run `regress score` first)") from exc
     except ValidationError as exc:

@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,19 @@ import numpy as np
 
 SHARD_FORMAT_VERSION = 1
 _META = "meta.json"
+_CORRUPT = (
+    zipfile.BadZipFile,  # not a zip, or a CRC that does not match
+    zlib.error,  # deflate stream damaged
+    EOFError,  # truncated member
+    NotImplementedError,  # a compression method byte flipped to one zipfile lacks
+    RuntimeError,  # an encryption flag bit flipped on ("password required")
+    OSError,  # a damaged stream of another codec, or the disk failing mid-read
+    KeyError,  # meta.json or an array it names is missing
+    TypeError,  # meta.json of the wrong shape (a list where a mapping belongs), an unknown dtype
+    AttributeError,  # meta.json that is not a JSON object
+)
+"""What a damaged or foreign shard makes zipfile, zlib, json and numpy raise besides ValueError
+(bad JSON or UTF-8, arrays that do not fit their shape)."""
 _SHUFFLE4 = "shuffle4+deflate"
 _PLAIN = "deflate"
 
@@ -110,32 +124,49 @@ def encode_shard(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
 
 
 def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Inverse of :func:`encode_shard`. Raises ``ValueError`` on anything malformed."""
+    """Inverse of :func:`encode_shard`. Raises ``ValueError`` on anything malformed (this module
+    runs in candidate environments too, so it does not raise regress's own errors: its callers
+    on regress's side name the file in a :class:`~regress.errors.StorageError`)."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except (*_CORRUPT, ValueError) as exc:
+        raise _damaged(exc) from exc
+    with zf:
+        try:
             meta = json.loads(zf.read(_META).decode("utf-8"))
             version = meta.get("shard_format_version")
-            if version != SHARD_FORMAT_VERSION:
-                raise ValueError(
-                    f"shard format version {version!r}; this regress reads {SHARD_FORMAT_VERSION}"
-                )
-            arrays: dict[str, np.ndarray] = {}
-            xored: dict[str, str] = {}
-            for name, spec in meta["arrays"].items():
-                raw = zf.read(name)
-                if spec["codec"] == _SHUFFLE4:
-                    raw = _unshuffle4(raw)
-                if "xor_column0_of" in spec:
-                    xored[name] = spec["xor_column0_of"]
-                    arrays[name] = np.frombuffer(raw, dtype=np.uint32).reshape(spec["shape"])
-                else:
-                    arrays[name] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
-            for name, ref in xored.items():
-                column = np.ascontiguousarray(arrays[ref][:, 0]).view(np.uint32)
-                arrays[name] = (arrays[name] ^ column).view(np.float32)
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a regress shard file: {exc}") from exc
-    return meta, arrays
+        except (*_CORRUPT, ValueError) as exc:  # ValueError: not JSON
+            raise _damaged(exc) from exc
+        if version != SHARD_FORMAT_VERSION:  # not damage: a shard from another regress
+            raise ValueError(f"shard format version {version!r}; this regress reads {SHARD_FORMAT_VERSION}")
+        try:
+            return meta, _decode_arrays(zf, meta)
+        except (*_CORRUPT, ValueError) as exc:  # ValueError: arrays that do not fit their shape
+            raise _damaged(exc) from exc
+
+
+def _decode_arrays(zf: zipfile.ZipFile, meta: dict[str, Any]) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    xored: dict[str, str] = {}
+    for name, spec in meta["arrays"].items():
+        raw = zf.read(name)
+        if spec["codec"] == _SHUFFLE4:
+            raw = _unshuffle4(raw)
+        if "xor_column0_of" in spec:
+            xored[name] = spec["xor_column0_of"]
+            arrays[name] = np.frombuffer(raw, dtype=np.uint32).reshape(spec["shape"])
+        else:
+            arrays[name] = np.frombuffer(raw, dtype=np.dtype(spec["dtype"])).reshape(spec["shape"])
+    for name, ref in xored.items():
+        column = np.ascontiguousarray(arrays[ref][:, 0]).view(np.uint32)
+        arrays[name] = (arrays[name] ^ column).view(np.float32)
+    return arrays
+
+
+def _damaged(exc: BaseException) -> ValueError:
+    kind = type(exc)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    return ValueError(f"not a regress shard file, or a damaged one ({name}: {exc})")
 
 
 def write_shard(path: str | os.PathLike, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -162,11 +193,14 @@ def ragged(sequences: list[Any], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def read_shard_meta(path: str | os.PathLike) -> dict[str, Any]:
     """Only the metadata of a shard file (cheap: the arrays are not decompressed)."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            meta = json.loads(zf.read(_META).decode("utf-8"))
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a regress shard file: {exc}") from exc
+    with open(path, "rb") as fh:  # a file that cannot be opened is an OSError, not damage
+        try:
+            with zipfile.ZipFile(fh) as zf:
+                meta = json.loads(zf.read(_META).decode("utf-8"))
+        except (*_CORRUPT, ValueError) as exc:
+            raise _damaged(exc) from exc
+    if not isinstance(meta, dict):
+        raise ValueError("not a regress shard file: its meta.json is not an object")
     if meta.get("shard_format_version") != SHARD_FORMAT_VERSION:
         raise ValueError(f"shard format version {meta.get('shard_format_version')!r}")
     return meta

@@ -17,6 +17,11 @@ Classes, checked in this order:
 ``drift``
     Everything else: beyond noise, within tolerance. Worth a look, not a reason to stop.
 
+The bounds are not written here: every value a metric returns declares its own benign and
+regression bounds (:class:`regress.metrics.spec.Output`), and rules over several values
+(vLLM's top-k check) come with their metric; :func:`classify` walks them in metric order, and
+:data:`Thresholds` is built from the settings they declare.
+
 A single flipped token at a near-tie changes everything after it, so the free-running output
 alone cannot tell noise from damage; the teacher-forced measures (scored on the golden's own
 completion, no cascade) carry most of the decision. See docs/verdicts.md for how the default
@@ -30,57 +35,45 @@ correct, candidate not) is reported per prompt and per run, and fails the run on
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from regress.errors import ConfigError
+from regress.metrics import registered
+from regress.metrics.spec import Bound, Output, Rule, Setting
 from regress.records import MetricValue, PromptClass
 from regress.validation import first_error
 
+# Run-level limits, not about any one metric. Together with the settings the registered metrics
+# declare they make the Thresholds model (see thresholds_model for the field order).
+_LIMITS: dict[str, tuple[Any, Any]] = {
+    "max_regressions": (int, Field(0, ge=0, description="The run fails when more prompts than this are regressions.")),
+    "max_answer_flips_lost": (int | None, Field(None, ge=0, description=(
+        "The run fails when more prompts than this lose their expected answer (golden correct, candidate "
+        "not). None (the default): lost answers are reported, never gating."))),
+}
+_METRICS_FIELD: tuple[Any, Any] = (list[str] | None, Field(None, description=(
+    "Metrics to compute (default: all built in). Drop 'semantic' to skip embeddings; add a registered "
+    "plugin's name to run it.")))
 
-class Thresholds(BaseModel):
-    """Verdict thresholds (``thresholds:`` in params.yaml). Defaults and their reasons below."""
+DIVERGENCE_MARGIN = "golden_margin"
+"""The golden's margin at the first divergence: below ``near_tie_margin`` the divergence was a coin
+toss, which is what lets a prompt be benign and what excuses a value with ``noise_after_near_tie``."""
+
+
+class ThresholdsBase(BaseModel):
+    """Verdict thresholds (``thresholds:`` in params.yaml): the run's limits, and every setting the
+    registered metrics declare (their benign and regression bounds, switches and options) with its
+    default. Unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
 
-    near_tie_margin: float = Field(0.3, ge=0)
-    """Golden top-1/top-2 gap (nat) below which a flip is a coin toss: p1/p2 < 1.35. bf16 logits
-    come on a grid of 0.0625-0.125 nat at a real model's logit sizes; every noise arm measured on
-    SmolLM2-135M diverged at a margin of at most 0.25 nat (two steps), so 0.3 (docs/verdicts.md)."""
-    confident_margin: float = Field(1.0, ge=0)
-    """Golden gap (nat) above which overturning the golden's choice is a regression signal:
-    the golden's top-1 was at least e (2.7) times as likely as its runner-up."""
-    benign_kl: float = Field(0.02, ge=0)
-    """Mean teacher-forced KL per position (nat) at most this for ``benign``."""
-    regression_kl: float = Field(0.1, ge=0)
-    """Mean teacher-forced KL per position (nat) above this is a regression."""
-    benign_same_top1: float = Field(0.95, ge=0, le=1)
-    """Teacher-forced same-top-1 rate at least this for ``benign``."""
-    regression_same_top1: float = Field(0.8, ge=0, le=1)
-    """Teacher-forced same-top-1 rate below this is a regression."""
-    benign_semantic: float = Field(0.8, ge=-1, le=1)
-    """Semantic similarity at least this for ``benign``."""
-    regression_semantic: float = Field(0.3, ge=-1, le=1)
-    """Semantic similarity below this is a regression."""
-    require_topk_agreement: bool = True
-    """Count a first divergence where one side's token is outside the other's top-k as a
-    regression (vLLM's own HF-vs-vLLM rule)."""
-    max_regressions: int = Field(0, ge=0)
-    """The run fails when more prompts than this are regressions."""
-    max_answer_flips_lost: int | None = Field(None, ge=0)
-    """The run fails when more prompts than this lose their expected answer (golden correct,
-    candidate not). None (the default): lost answers are reported, never gating."""
-    semantic_model: str | None = None
-    """sentence-transformers model for the semantic metric (default: bundled all-MiniLM-L6-v2)."""
-    semantic_precision: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Embedding precision: auto = bfloat16 on CPUs with AMX (2.3x faster, cosines within 0.006)."""
-    metrics: list[str] | None = None
-    """Metrics to compute (default: all built in). Drop 'semantic' to skip embeddings."""
-
     @classmethod
-    def from_params(cls, data: dict[str, Any], *, file: str | None = None) -> "Thresholds":
+    def from_params(cls, data: dict[str, Any], *, file: str | None = None) -> "ThresholdsBase":
         try:
             return cls.model_validate(data or {})
         except ValidationError as exc:
@@ -88,71 +81,160 @@ class Thresholds(BaseModel):
             raise ConfigError(message, file=file, field=f"thresholds.{where}" if where else "thresholds") from exc
 
 
-def _get(values: dict[str, MetricValue], name: str) -> Any:
-    return values.get(name)
+def _same(a: Setting, b: Setting) -> bool:
+    return (a.type, a.default, a.ge, a.le) == (b.type, b.default, b.ge, b.le)
 
 
-def classify(values: dict[str, MetricValue], t: Thresholds) -> tuple[PromptClass, list[str]]:
+@functools.lru_cache(maxsize=1)
+def thresholds_model() -> type[ThresholdsBase]:
+    """The ``Thresholds`` model of this process's registered metrics, built once.
+
+    Field order (the order of ``model_dump`` and of "allowed:" in error messages): the values'
+    bounds, the rules' switches, the run-level limits, the factories' options, ``metrics``.
+    """
+    infos = registered()
+    fields: dict[str, tuple[Any, Any]] = {}
+    declared: dict[str, Setting] = {}
+
+    def add(settings: list[Setting]) -> None:
+        for s in settings:
+            if s.name in _LIMITS or s.name == "metrics":
+                raise TypeError(f"a metric declares the threshold {s.name!r}, which regress itself defines")
+            if s.name in declared:
+                if not _same(declared[s.name], s):
+                    raise TypeError(f"two metrics declare the threshold {s.name!r} differently: {declared[s.name]}, {s}")
+                continue
+            declared[s.name] = s
+            fields[s.name] = (s.type, Field(s.default, ge=s.ge, le=s.le, description=s.doc))
+
+    add([s for info in infos for v in info.values for s in v.settings()])
+    add([s for info in infos for r in info.rules for s in r.settings])
+    fields.update(_LIMITS)
+    add([s for info in infos for s in info.options.values()])
+    fields["metrics"] = _METRICS_FIELD
+    return create_model("Thresholds", __base__=ThresholdsBase, __module__=__name__,  # type: ignore[call-overload]
+                        __doc__=ThresholdsBase.__doc__, **fields)
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use, not at import: the model needs every registered metric imported.
+    if name == "Thresholds":
+        return thresholds_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+Thresholds: type[ThresholdsBase]  # for type checkers; the value comes from __getattr__
+
+
+@functools.lru_cache(maxsize=1)
+def gates() -> tuple[Output | Rule, ...]:
+    """What :func:`classify` checks, in order: each registered metric's bounded values, then its rules."""
+    seen: set[str] = set()
+    steps: list[Output | Rule] = []
+    for info in registered():
+        for spec in info.values:
+            if spec.name not in seen and (spec.benign or spec.regression):
+                steps.append(spec)
+            seen.add(spec.name)
+        steps.extend(info.rules)
+    return tuple(steps)
+
+
+def number(value: Any) -> float | None:
+    """``value`` if it is a real number to compare (not a bool, not missing); NaN compares false anyway."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def past(spec: Output, bound: Bound, value: float, limit: float) -> bool:
+    """Whether ``value`` is beyond ``limit`` against the value's direction."""
+    if spec.better == "lower":
+        return value >= limit if bound.inclusive else value > limit
+    return value <= limit if bound.inclusive else value < limit
+
+
+class _Fields(dict):
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def reason(spec: Output, bound: Bound, value: float, limit: Any, values: Mapping[str, Any]) -> str:
+    """The bound's reason, filled in: ``{value}``, ``{bound}`` and the prompt's values by name."""
+    template = bound.reason
+    if template is None:
+        op = {("lower", False): ">", ("lower", True): ">=", ("higher", False): "<", ("higher", True): "<="}[
+            (spec.better or "lower", bound.inclusive)]
+        label = spec.shown_label.replace("{", "{{").replace("}", "}}")
+        template = f"{label} {{value:.4g}} {op} {{bound}}"
+    return template.format_map(_Fields(values, value=value, bound=limit))
+
+
+def near_tie(values: Mapping[str, Any], t: Any) -> bool:
+    """The first divergence was a coin toss (the golden's margin there below ``near_tie_margin``)."""
+    margin = values.get(DIVERGENCE_MARGIN)
+    return margin is not None and margin < t.near_tie_margin
+
+
+def classify(values: dict[str, MetricValue], t: Any) -> tuple[PromptClass, list[str]]:
     """Class of one prompt from its metric values, with the reasons."""
-    if _get(values, "input_drift"):
+    if values.get("input_drift"):
         return "input_drift", ["prompt token ids differ from the golden's (tokenizer or chat template changed)"]
-    if _get(values, "identical"):
+    if values.get("identical"):
         return "identical", []
 
     regression: list[str] = []
     not_benign: list[str] = []
-    d = _get(values, "first_divergence")
-    margin = _get(values, "golden_margin")
-    if margin is not None:
-        if margin >= t.confident_margin:
-            regression.append(f"first divergence at token {d} where the golden was confident "
-                              f"(margin {margin:.2f} nat >= {t.confident_margin})")
-        elif margin >= t.near_tie_margin:
-            not_benign.append(f"first divergence at token {d} was not a near-tie (margin {margin:.2f} nat)")
-    if t.require_topk_agreement:
-        if _get(values, "candidate_token_in_golden_topk") is False:
-            regression.append(f"at token {d} the candidate chose a token outside the golden's top-k")
-        if _get(values, "golden_token_in_candidate_topk") is False:
-            regression.append(f"at token {d} the golden's token is outside the candidate's top-k")
-
-    kl = _get(values, "tf_kl_mean")
-    if kl is not None:
-        if kl > t.regression_kl:
-            regression.append(f"teacher-forced KL {kl:.3f} > {t.regression_kl}")
-        elif kl > t.benign_kl:
-            not_benign.append(f"teacher-forced KL {kl:.3f} > {t.benign_kl}")
-    same = _get(values, "tf_same_top1_rate")
-    if same is not None:
-        if same < t.regression_same_top1:
-            regression.append(f"same top-1 on {same:.0%} of golden positions < {t.regression_same_top1:.0%}")
-        elif same < t.benign_same_top1:
-            not_benign.append(f"same top-1 on {same:.0%} of golden positions < {t.benign_same_top1:.0%}")
-    flipped = _get(values, "tf_max_flipped_margin")
-    if flipped is not None:
-        if flipped >= t.confident_margin:
-            regression.append(f"teacher-forced, the candidate overturned a confident golden choice "
-                              f"(margin {flipped:.2f} nat)")
-        elif flipped >= t.near_tie_margin:
-            not_benign.append(f"teacher-forced, a golden choice with margin {flipped:.2f} nat flipped")
-    semantic = _get(values, "semantic_similarity")
-    if semantic is not None:
-        # After a coin-toss flip the rest of the output may differ in meaning without anything
-        # being broken (the teacher-forced measures judge the model there), so low similarity
-        # counts as a regression only when the divergence itself was not a near-tie.
-        coin_toss = margin is not None and margin < t.near_tie_margin
-        if semantic < t.regression_semantic and not coin_toss:
-            regression.append(f"semantic similarity {semantic:.2f} < {t.regression_semantic}")
-        elif semantic < t.benign_semantic:
-            not_benign.append(f"semantic similarity {semantic:.2f} < {t.benign_semantic}")
+    coin_toss = near_tie(values, t)
+    for step in gates():
+        if isinstance(step, Rule):
+            worse, not_good = step.check(values, t)
+            regression += worse
+            not_benign += not_good
+            continue
+        value = number(values.get(step.name))
+        if value is None:
+            continue
+        excused = step.noise_after_near_tie and coin_toss
+        for bound, found in ((step.regression, regression), (step.benign, not_benign)):
+            if bound is None:
+                continue
+            limit = getattr(t, bound.setting.name)
+            if past(step, bound, value, limit) and not (found is regression and excused):
+                found.append(reason(step, bound, value, limit, values))
+                break
 
     if regression:
         return "regression", regression
     if not_benign:
         return "drift", not_benign
+    d = values.get("first_divergence")
     return "benign", [f"diverged at token {d} at a near-tie and stayed close by every measure"]
 
 
-def run_verdict(counts: dict[str, int], t: Thresholds, *,
+def severity(values: Mapping[str, Any], t: Any) -> float:
+    """How far past its regression thresholds a prompt is: 1.0 = at a threshold, 0 = nothing.
+
+    For every value with a regression bound, the way from its ideal value (``best``) to the value
+    as a share of the way to the bound (KL / regression_kl, (1 - same top-1) / (1 - regression_same_top1),
+    ...); 1 for a rule that finds a regression.
+    """
+    ratios = [0.0]
+    for step in gates():
+        if isinstance(step, Rule):
+            if step.check(values, t)[0]:
+                ratios.append(1.0)
+            continue
+        value, best = number(values.get(step.name)), step.ideal
+        if value is None or step.regression is None or best is None or not math.isfinite(value):
+            continue
+        span = getattr(t, step.regression.setting.name) - best
+        if (span > 0) if step.better == "lower" else (span < 0):
+            ratios.append((value - best) / span)
+    return max(ratios)
+
+
+def run_verdict(counts: dict[str, int], t: Any, *,
                 answers: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
     """``pass`` or ``fail`` for the run, with reasons.
 
@@ -177,14 +259,14 @@ def run_verdict(counts: dict[str, int], t: Thresholds, *,
     return "pass", reasons + notes
 
 
-def _answers_fail(answers: Mapping[str, Any] | None, t: Thresholds) -> str | None:
+def _answers_fail(answers: Mapping[str, Any] | None, t: Any) -> str | None:
     lost = (answers or {}).get("answer_flips_lost", 0)
     if t.max_answer_flips_lost is not None and lost > t.max_answer_flips_lost:
         return f"{lost} prompt(s) lost their expected answer (allowed: {t.max_answer_flips_lost})"
     return None
 
 
-def _answer_notes(answers: Mapping[str, Any] | None, t: Thresholds, *, failed: bool) -> list[str]:
+def _answer_notes(answers: Mapping[str, Any] | None, t: Any, *, failed: bool) -> list[str]:
     n = (answers or {}).get("answer_prompts", 0)
     if not answers or not n:
         return []

@@ -19,7 +19,7 @@ import numpy as np
 
 from regress.datasets import PromptSet, load_prompt_set
 from regress.records import (CandidateSpec, DatasetRef, GoldenRef, Hardware, Memory, ModelInfo, ResolvedSampling,
-                             RunManifest, ScoreReport, Timings, Versions)
+                             RunManifest, ScoredRun, Timings, Versions)
 from regress.replay import plan_layout
 from regress.runs import VOCAB_FILE, RunResult, load_run, shard_file, write_manifest
 from regress.scoring import build_metrics, score_runs, write_score_outputs
@@ -68,7 +68,7 @@ class Case:
     root: Path
     golden: RunResult
     run: RunResult
-    score: ScoreReport
+    score: ScoredRun
     prompt_set: PromptSet
 
     def ids_of(self, klass: str) -> list[str]:

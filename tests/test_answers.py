@@ -18,7 +18,7 @@ from report_fixtures import HOSTILE, WORDS, BagOfWordsEncoder, Case, build_case
 from regress.datasets import check_prompt_set, load_prompt_set
 from regress.errors import ConfigError
 from regress.metrics.answers import contains_answer, is_correct, matching_answer, normalise
-from regress.records import AnswerCheck, PromptRecord, RunMetrics, ScoreReport
+from regress.records import AnswerCheck, PromptRecord, RunMetrics, ScoredRun
 from regress.report import JUNIT_FILE, METRICS_FILE, METRICS_SCHEMA, SUMMARY_FILE, write_candidate_report, write_index
 from regress.report.junit import junit_xml
 from regress.report.payload import build_payload
@@ -205,7 +205,7 @@ def _answered_prompt_set(base: Case, plan: dict[str, list[str]], path: Path):
     return load_prompt_set(path)
 
 
-def _score(base: Case, expected: dict[str, list[str]] | None, t: Thresholds | None = None) -> ScoreReport:
+def _score(base: Case, expected: dict[str, list[str]] | None, t: Thresholds | None = None) -> ScoredRun:
     t = t or Thresholds()
     tags = {p.id: p.tags for p in base.prompt_set.prompts}
     return score_runs(base.golden, base.run, t, tags=tags, expected=expected,
@@ -213,7 +213,7 @@ def _score(base: Case, expected: dict[str, list[str]] | None, t: Thresholds | No
 
 
 @pytest.fixture(scope="module")
-def answered(base: Case, plan: dict[str, list[str]]) -> tuple[ScoreReport, object]:
+def answered(base: Case, plan: dict[str, list[str]]) -> tuple[ScoredRun, object]:
     prompt_set = _answered_prompt_set(base, plan, base.root / "answered.jsonl")
     return _score(base, expected_answers(prompt_set)), prompt_set
 
@@ -279,7 +279,7 @@ def test_old_metrics_and_scores_files_still_read(answered) -> None:
     data = json.loads(score.model_dump_json())
     for s in data["scores"]:
         del s["answer"]
-    assert ScoreReport.model_validate(data).scores[0].answer is None
+    assert ScoredRun.model_validate(data).scores[0].answer is None
 
 
 # ------------------------------------------------------------------ the threshold

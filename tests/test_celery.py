@@ -312,6 +312,7 @@ def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path):
     """rediss:// end to end: the orchestrator's app sends a shard task over TLS, a real worker
     takes it and answers through the TLS result backend (the shard is already on disk, so the
     worker only checks it: no engine needed)."""
+    from regress.engine.protocol import ShardRequest
     from regress.runs import shard_file
     from regress.storage import read_shard_meta
     from regress.worker.app import make_app
@@ -329,8 +330,9 @@ def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path):
         app = make_app(CelerySettings(broker_url=url, ssl_ca_certs=str(ca)), with_tasks=False)
         done = shard_file(golden_dir, 0)
         golden = load_run(golden_dir)
-        payload = {"candidate": golden.manifest.candidate.model_dump(mode="json"),
-                   "message": {"index": 0, "out": str(done), "meta": {"fingerprint": read_shard_meta(done)["fingerprint"]}}}
+        message = ShardRequest(index=0, prompts=[], teacher_force=None, out=str(done),
+                               meta={"fingerprint": read_shard_meta(done)["fingerprint"]})
+        payload = {"candidate": golden.manifest.candidate.model_dump(mode="json"), "message": message.to_dict()}
         reply = app.send_task(TASK_REPLAY_SHARD, args=[payload], queue="tls").get(timeout=60)
         assert reply["skipped"] is True and reply["index"] == 0
     finally:

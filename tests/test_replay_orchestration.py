@@ -155,7 +155,7 @@ def test_shims_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
     import os
     import subprocess
 
-    from regress.engine_process import SHIM_PREFIX, remove_stale_shims
+    from regress.engine.client import SHIM_PREFIX, remove_stale_shims
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs

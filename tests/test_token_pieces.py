@@ -1,6 +1,6 @@
 """Byte pieces: tokens holding only some bytes of a character (byte-level BPE, byte fallback).
 
-tokens.json records their raw bytes (the runner's vocab op), runs show them as ``<0xE5><0x90>``
+tokens.json records their raw bytes (the engine's vocab op), runs show them as ``<0xE5><0x90>``
 and the report shows what consecutive pieces complete. No engine: the vocab op is fed real
 ``tokenizers``/``transformers`` tokenizers directly.
 """
@@ -19,7 +19,9 @@ import pytest
 from report_fixtures import VOCAB, Case, build_case
 from regress.report.payload import build_payload
 from regress.report.render import render_candidate
-from regress.runner import Runner, _gpt2_byte_decoder, token_bytes, vocabulary
+from regress.engine.protocol import VocabReply, VocabRequest
+from regress.engine.server import EngineServer
+from regress.engine.vocabulary import _gpt2_byte_decoder, token_bytes, vocabulary
 from regress.runs import VOCAB_FILE, RunResult, is_partial, join_pieces, load_run, piece_display
 
 TEXT = "天气很好，今天我们去公园散步吧。🙂 明天见"
@@ -59,7 +61,7 @@ def _run_with(tmp_path: Path, vocab: dict[str, Any]) -> RunResult:
     return RunResult(tmp_path, None, [], [], [], [], {})  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------ the runner's vocab op
+# ------------------------------------------------------------------ the engine's vocab op
 
 
 def test_byte_table_is_the_gpt2_bijection() -> None:
@@ -176,15 +178,15 @@ class _Backend:
 
 
 def test_vocab_op_writes_the_file(byte_level: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    runner = Runner(None)  # type: ignore[arg-type]
-    runner.backend = _Backend(byte_level)  # type: ignore[assignment]
+    server = EngineServer(None)
+    server.backend = _Backend(byte_level)  # type: ignore[assignment]
     out = tmp_path / "tokens.json"
-    assert runner.handle({"op": "vocab", "out": str(out)}) == {}
+    assert server.handle(VocabRequest(out=str(out))) == VocabReply()
     data = json.loads(out.read_text(encoding="utf-8"))
     assert set(data) == {"size", "tokens", "bytes"} and data == vocabulary(byte_level)
     # a tokenizer whose entries cannot be read costs only the bytes, not the texts
-    runner.backend = _Backend(_Broken())  # type: ignore[assignment]
-    runner.handle({"op": "vocab", "out": str(out)})
+    server.backend = _Backend(_Broken())  # type: ignore[assignment]
+    server.handle(VocabRequest(out=str(out)))
     data = json.loads(out.read_text(encoding="utf-8"))
     assert set(data) == {"size", "tokens"} and len(data["tokens"]) == 5
     assert "bytes of partial tokens not recorded" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
-from regress.scoring import read_score_report
+from regress.scoring import read_scored_run
 
 pytestmark = pytest.mark.engine
 
@@ -50,7 +50,7 @@ def w8a8_model(candidate_envs, fixture_model: Path, tmp_path_factory) -> Path:
 def check(workspace: Path, candidate: str, *extra: str) -> tuple[int, Counter, dict]:
     result = run_cli("check", candidate, *extra, cwd=workspace)
     assert result.returncode in (0, 1), result.stderr
-    report = read_score_report(workspace / "scores" / candidate)
+    report = read_scored_run(workspace / "scores" / candidate)
     classes = Counter(s.prompt_class for s in report.scores)
     metrics = json.loads((workspace / "reports" / candidate / "metrics.json").read_text())
     assert (result.returncode == 1) == (metrics["verdict"] == "fail")
@@ -79,7 +79,7 @@ def test_batch_composition_change_is_noise_not_regression(verdict_workspace):
     assert result.returncode == 0, result.stderr
     result = run_cli("score", "same", "--run", "runs/alone", "--out", "reports/alone", cwd=verdict_workspace)
     assert result.returncode == 0, result.stderr
-    report = read_score_report(verdict_workspace / "reports" / "alone")
+    report = read_scored_run(verdict_workspace / "reports" / "alone")
     assert report.run.layout.shard_size == 1 and len(report.run.layout.shards) == 40
     classes = Counter(s.prompt_class for s in report.scores)
     assert classes["regression"] == 0 and classes["identical"] >= 30

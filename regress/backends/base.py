@@ -7,13 +7,16 @@ only the standard library and numpy.
 A backend does four things: load a model, render a prompt to token ids with the model's
 tokenizer (chat template for ``messages``), generate free-running with per-position top-k
 logprobs, and score given token sequences teacher-forced (logprobs of each given token and
-the top-k at its position).
+the top-k at its position). It also names the software it ran on (:meth:`EngineBackend.versions`),
+so that a run records the versions that matter for that backend.
 """
 
 from __future__ import annotations
 
 import abc
+import platform
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -93,9 +96,25 @@ class EngineBackend(abc.ABC):
     def close(self) -> None:
         """Release the engine."""
 
+    def versions(self) -> dict[str, str | None]:
+        """Versions of the software this backend runs on, recorded in the run's manifest
+        (``None``: not installed). Subclasses add their engine's packages to these."""
+        return {"python": platform.python_version(), "numpy": np.__version__}
+
     def render(self, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:
         """Token ids of a prompt payload (``{"prompt": str}`` or ``{"messages": [...]}``)."""
         return render_prompt(self.get_tokenizer(), payload, chat_template)
+
+
+def distribution_versions(*names: str) -> dict[str, str | None]:
+    """The installed version of each distribution (``None`` where it is not installed)."""
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def render_prompt(tokenizer: Any, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:

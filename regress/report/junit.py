@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from regress.records import PromptScore, ScoreReport
+from regress.metrics import output_specs
+from regress.metrics.spec import headline
+from regress.records import PromptScore, ScoredRun
 
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-SHOWN_METRICS = ("first_divergence", "golden_margin", "tf_kl_mean", "tf_same_top1_rate", "tf_max_flipped_margin",
-                 "semantic_similarity", "edit_distance")
 
 
 def xml_text(value: object) -> str:
@@ -23,10 +23,14 @@ def xml_text(value: object) -> str:
     return _NOT_XML.sub("\ufffd", str(value))
 
 
-def _metrics_line(values: dict) -> str:
-    shown = [f"{k}={values[k]:.4g}" if isinstance(values.get(k), float) else f"{k}={values.get(k)}"
-             for k in SHOWN_METRICS if k in values]
-    return ", ".join(shown)
+def shown_metrics() -> list[str]:
+    """The values on a prompt's line: each registered metric's headline values (its spec says which)."""
+    return [spec.name for spec in headline(output_specs())]
+
+
+def _metrics_line(values: dict, shown: list[str]) -> str:
+    return ", ".join(f"{k}={values[k]:.4g}" if isinstance(values.get(k), float) else f"{k}={values.get(k)}"
+                     for k in shown if k in values)
 
 
 def _answer_lost(s: PromptScore) -> bool:
@@ -45,9 +49,10 @@ def _answer_line(s: PromptScore) -> list[str]:
             f"candidate {said(a.candidate_correct)}"]
 
 
-def junit_xml(score: ScoreReport) -> str:
+def junit_xml(score: ScoredRun) -> str:
     """The JUnit XML document for one candidate."""
     m = score.metrics
+    shown = shown_metrics()
     name = f"regress.{m.candidate}"
     failures = sum(1 for s in score.scores if s.prompt_class == "regression" or _answer_lost(s))
     skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not _answer_lost(s))
@@ -69,7 +74,7 @@ def junit_xml(score: ScoreReport) -> str:
     for s in score.scores:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
         detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
-                            f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics)])
+                            f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics, shown)])
         if s.prompt_class == "regression" or _answer_lost(s):
             kind = "regression" if s.prompt_class == "regression" else "answer_lost"
             failure = ET.SubElement(case, "failure", message=xml_text(s.reasons[0] if s.reasons else kind), type=kind)

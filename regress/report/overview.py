@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from regress.records import RunMetrics, ScoreReport
+from regress.metrics import output_specs
+from regress.records import RunMetrics, ScoredRun
 from regress.report.payload import CLASS_ORDER, ranked
 
 CLASS_LABELS = {"regression": "regression", "drift": "drift", "input_drift": "input drift",
@@ -116,14 +117,25 @@ def counts(m: RunMetrics) -> list[Count]:
 
 
 def measures(m: RunMetrics) -> list[Measure]:
-    return [
-        Measure("exact match", fmt(m.exact_match_rate, "pct"), "prompts with exactly the golden's tokens"),
-        Measure("teacher-forced KL", fmt(m.mean_teacher_forced_kl, "kl"),
-                "mean per-position KL(golden || candidate) on the golden's completion, nat"),
-        Measure("same top-1", fmt(m.same_top1_rate, "pct"), "teacher-forced positions where both pick the same token"),
-        Measure("semantic similarity", fmt(m.mean_semantic_similarity), "mean cosine similarity of the outputs"),
-        Measure("first divergence", fmt(m.mean_first_divergence), "mean token position of the first difference"),
-    ]
+    """Exact match, then every aggregated metric value in its spec's order: those with a
+    RunMetrics field always (— when the metric did not run), plugins' when in ``m.extra``."""
+    rows = [Measure("exact match", fmt(m.exact_match_rate, "pct"), "prompts with exactly the golden's tokens")]
+    specs = sorted((s for s in output_specs() if s.aggregate_key), key=lambda s: s.aggregate.rank)  # type: ignore[union-attr]
+    listed = set()
+    for spec in specs:
+        key, a = spec.aggregate_key, spec.aggregate
+        assert key is not None and a is not None
+        if key in RunMetrics.model_fields:
+            value = getattr(m, key)
+        elif key in m.extra:
+            value = m.extra[key]
+        else:
+            continue
+        listed.add(key)
+        rows.append(Measure(a.label or spec.shown_label, fmt(value, spec.format), a.doc or spec.doc))
+    # Aggregates of a metric not installed here: shown under their own name.
+    rows += [Measure(key, fmt(value), key) for key, value in m.extra.items() if key not in listed]
+    return rows
 
 
 def _perf(label: str, golden: float | None, cand: float | None, unit: str, higher_is_better: bool) -> PerfRow:
@@ -141,7 +153,7 @@ def _perf(label: str, golden: float | None, cand: float | None, unit: str, highe
     return PerfRow(label, show(golden), show(cand), change, direction)
 
 
-def performance(score: ScoreReport) -> list[PerfRow]:
+def performance(score: ScoredRun) -> list[PerfRow]:
     m, gt, rt = score.metrics, score.golden.timings, score.run.timings
     rows = [
         _perf("throughput", m.golden_tokens_per_s, m.tokens_per_s, "tokens/s", True),
@@ -154,7 +166,7 @@ def performance(score: ScoreReport) -> list[PerfRow]:
     return rows
 
 
-def worst(score: ScoreReport, limit: int = WORST_SHOWN) -> list[Worst]:
+def worst(score: ScoredRun, limit: int = WORST_SHOWN) -> list[Worst]:
     """Regressions, then drift, then input drift, most severe first."""
     out = []
     for s, sev in ranked(score):

@@ -12,10 +12,13 @@ import math
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
-from regress.records import PromptScore, ScoreReport
+from regress.metrics import output_specs
+from regress.metrics.spec import Output, headline
+from regress.records import PromptScore, ScoredRun
 from regress.runs import RunResult, join_pieces
-from regress.verdict import Thresholds
+from regress.verdict import Thresholds, severity
 
 CLASS_ORDER = ("regression", "drift", "input_drift", "benign", "identical")
 """Classes from worst to most harmless: the report's default order."""
@@ -32,9 +35,8 @@ WINDOW_BEFORE, WINDOW_AFTER = 8, 24
 MAX_MESSAGES = 20
 """Chat messages shown per prompt (the last ones)."""
 
-KEY_METRICS = ("first_divergence", "golden_margin", "tf_kl_mean", "tf_same_top1_rate",
-               "semantic_similarity", "edit_distance")
-"""Metrics shown as table columns (all metrics are in the detail view)."""
+WINDOW_MARGIN = "golden_margin"
+"""The value the divergence window's note explains (the golden's margin where the outputs part)."""
 
 
 def text_cap(prompts: int) -> int:
@@ -66,54 +68,19 @@ def _round(value: Any) -> Any:
     return None
 
 
-def severity(values: dict[str, Any], t: Thresholds) -> float:
-    """How far past its regression thresholds a prompt is: 1.0 = at a threshold, 0 = nothing.
-
-    The largest of the ratios KL / regression_kl, (1 - same top-1) / (1 - regression_same_top1),
-    (1 - semantic) / (1 - regression_semantic), golden margin / confident_margin,
-    flipped margin / confident_margin (and 1 for a failed top-k agreement check).
-    """
-
-    def num(name: str) -> float | None:
-        v = values.get(name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return None
-        return float(v)
-
-    ratios = [0.0]
-    kl = num("tf_kl_mean")
-    if kl is not None and t.regression_kl > 0:
-        ratios.append(kl / t.regression_kl)
-    same = num("tf_same_top1_rate")
-    if same is not None and t.regression_same_top1 < 1:
-        ratios.append((1 - same) / (1 - t.regression_same_top1))
-    sem = num("semantic_similarity")
-    if sem is not None and t.regression_semantic < 1:
-        ratios.append((1 - sem) / (1 - t.regression_semantic))
-    if t.confident_margin > 0:
-        for name in ("golden_margin", "tf_max_flipped_margin"):
-            m = num(name)
-            if m is not None:
-                ratios.append(m / t.confident_margin)
-    if t.require_topk_agreement and (values.get("golden_token_in_candidate_topk") is False
-                                     or values.get("candidate_token_in_golden_topk") is False):
-        ratios.append(1.0)
-    return max(ratios)
-
-
-def thresholds_of(score: ScoreReport) -> Thresholds:
-    """The thresholds a report was scored with (defaults for anything missing or unreadable)."""
+def thresholds_of(score: ScoredRun) -> Any:
+    """The thresholds a run was scored with (defaults for anything missing or unreadable)."""
     try:
         return Thresholds.model_validate(score.thresholds)
-    except Exception:  # noqa: BLE001 - a report from another version still renders
+    except ValidationError:  # a run scored by another version or with a plugin not installed here still renders
         known = {k: v for k, v in score.thresholds.items() if k in Thresholds.model_fields}
         try:
             return Thresholds.model_validate(known)
-        except Exception:  # noqa: BLE001
+        except ValidationError:
             return Thresholds()
 
 
-def ranked(score: ScoreReport) -> list[tuple[PromptScore, float]]:
+def ranked(score: ScoredRun) -> list[tuple[PromptScore, float]]:
     """Scores from worst to most harmless: class order, then severity, then prompt order."""
     t = thresholds_of(score)
     order = {k: i for i, k in enumerate(CLASS_ORDER)}
@@ -122,7 +89,7 @@ def ranked(score: ScoreReport) -> list[tuple[PromptScore, float]]:
     return [(s, sev) for s, sev, _ in rows]
 
 
-def metric_names(score: ScoreReport) -> list[str]:
+def metric_names(score: ScoredRun) -> list[str]:
     """Every metric output present, documented ones first in their documented order."""
     names = list(score.metric_descriptions)
     seen = set(names)
@@ -308,7 +275,7 @@ def _answer(s: PromptScore) -> dict[str, Any]:
                   cut(a.golden_match), cut(a.candidate_match)]}
 
 
-def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
+def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
     """Everything the page's script needs, JSON-ready."""
     names = metric_names(score)
     tags: dict[str, int] = {}
@@ -342,6 +309,9 @@ def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_
                 entry["w"] = _window(g_tracks, g_row, c_tracks, c_row, d)
         prompts.append(entry)
     t = thresholds_of(score)
+    specs = {spec.name: spec for spec in output_specs()}
+    present = [specs[n] for n in names if n in specs]
+    bounds = [b.setting.name for spec in output_specs() for b in (spec.benign, spec.regression) if b is not None]
     return {
         "candidate": score.run.candidate.name,
         "baseline": score.golden.candidate.name,
@@ -349,10 +319,30 @@ def build_payload(score: ScoreReport, golden: RunResult, run: RunResult, prompt_
         "tags": list(tags),
         "metrics": names,
         "descriptions": score.metric_descriptions,
-        "key": [n for n in KEY_METRICS if n in names],
-        "thresholds": t.model_dump(include={"near_tie_margin", "confident_margin", "benign_kl", "regression_kl",
-                                            "benign_same_top1", "regression_same_top1", "benign_semantic",
-                                            "regression_semantic"}),
+        "specs": {spec.name: _spec(spec) for spec in present if _spec(spec)},
+        "key": [spec.name for spec in headline(present) if spec.column],
+        "charts": [_chart(spec, t) for spec in present if spec.chart is not None],
+        "window": {"margin": WINDOW_MARGIN},
+        "thresholds": t.model_dump(include=set(bounds)),
         "caps": {"text": cap, "token_text": TOKEN_TEXT_CAP, "before": WINDOW_BEFORE, "after": WINDOW_AFTER},
         "prompts": prompts,
     }
+
+
+def _spec(spec: Output) -> dict[str, Any]:
+    """What the page's script needs of a value, where it is not the default: column label (the
+    name), number format (``num``), which way is better (neither)."""
+    out: dict[str, Any] = {"label": spec.label, "format": spec.format if spec.format != "num" else None,
+                           "better": spec.better}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _chart(spec: Output, t: Any) -> dict[str, Any]:
+    c = spec.chart
+    assert c is not None
+
+    def limit(bound: Any) -> Any:
+        return None if bound is None else getattr(t, bound.setting.name)
+
+    return {"metric": spec.name, "title": c.title, "sub": c.sub, "scale": c.scale, "noun": c.noun, "empty": c.empty,
+            "diverged": c.diverged_only, "benign": limit(spec.benign), "regression": limit(spec.regression)}

@@ -18,7 +18,7 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from regress.records import ScoreReport
+from regress.records import ScoredRun
 from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import build_payload
@@ -67,7 +67,7 @@ def _stamp(when: datetime) -> str:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def render_candidate(score: ScoreReport, golden: RunResult, run: RunResult, prompt_set: Any = None, *,
+def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None, *,
                      index_link: str | None = None) -> str:
     """The candidate page as one HTML string."""
     m = score.metrics
@@ -99,7 +99,7 @@ def _safe_link(link: str) -> str:
     return link
 
 
-def render_index(reports: list[tuple[ScoreReport, str]]) -> str:
+def render_index(reports: list[tuple[ScoredRun, str]]) -> str:
     """The page listing every candidate checked."""
     rows = []
     for score, link in reports:

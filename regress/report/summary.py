@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from regress.records import ScoreReport
+from regress.records import ScoredRun
 from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.render import valid_text
@@ -41,7 +41,7 @@ def md_code(value: object, cap: int = CELL_CAP) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
-def _answers_markdown(score: ScoreReport) -> list[str]:
+def _answers_markdown(score: ScoredRun) -> list[str]:
     """Expected answers: golden and candidate correct, then the prompts that lost or gained theirs."""
     a = overview.answers(score.metrics)
     if a is None:
@@ -57,7 +57,7 @@ def _answers_markdown(score: ScoreReport) -> list[str]:
     return lines
 
 
-def summary_markdown(score: ScoreReport, report_link: str | None = None) -> str:
+def summary_markdown(score: ScoredRun, report_link: str | None = None) -> str:
     """The Markdown summary of one candidate."""
     m = score.metrics
     icon, word = ("✅", "passes") if m.verdict == "pass" else ("❌", "fails")

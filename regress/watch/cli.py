@@ -32,8 +32,8 @@ def _warn(message: str) -> None:
     stderr_console.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True, highlight=False)
 
 
-def _print_tick(report: Any) -> None:
-    for package in report.packages:
+def _print_tick(tick: Any) -> None:
+    for package in tick.packages:
         if package.error is not None:
             from regress.progress import print_error
 
@@ -44,12 +44,12 @@ def _print_tick(report: Any) -> None:
             skipped.append(f"{len(package.skipped_prereleases)} pre-release(s)")
         if package.skipped_yanked:
             skipped.append(f"{len(package.skipped_yanked)} yanked")
-        line = f"{package.package}: {package.releases} release(s) on {report.index}"
+        line = f"{package.package}: {package.releases} release(s) on {tick.index}"
         if skipped:
             line += f" ({', '.join(skipped)} skipped)"
         _echo(line)
         if package.first_watch:
-            recorded = "would be recorded" if report.dry_run else "recorded"
+            recorded = "would be recorded" if tick.dry_run else "recorded"
             _echo(f"  first watch: {package.recorded_seen} release(s) {recorded} as seen, not checked"
                   + ("" if package.outcomes else " (--check-existing or --since VERSION checks them)"))
         if not package.outcomes:
@@ -68,7 +68,7 @@ def _print_tick(report: Any) -> None:
 
                 print_error(f"{package.package} {outcome.version}: {outcome.error} "
                             "(not recorded; the next tick retries)")
-    for warning in report.warnings:
+    for warning in tick.warnings:
         _warn(warning)
 
 
@@ -151,13 +151,13 @@ def _run(params: Path, overrides: dict[str, Any], *, loop: bool, beat: bool, dry
     _attach_progress(watcher)
     try:
         while True:
-            report = watcher.tick()
+            tick = watcher.tick()
             if as_json:
-                _echo(json.dumps(report.summary(), indent=1))
+                _echo(json.dumps(tick.summary(), indent=1))
             else:
-                _print_tick(report)
+                _print_tick(tick)
             if not loop:
-                return report.exit_code
+                return tick.exit_code
             time.sleep(config.settings.interval_s)
     except KeyboardInterrupt:
         # Stopping a loop is its normal end; a check that was starting released its claim.
@@ -170,10 +170,10 @@ def _attach_progress(watcher: Any) -> None:
     """Progress bars on stderr for checks run here."""
     from regress.watch.triggers import LocalTrigger
 
-    if isinstance(watcher.trigger, LocalTrigger) and watcher.trigger.reporter_factory is None:
-        from regress.progress import RichReporter
+    if isinstance(watcher.trigger, LocalTrigger) and watcher.trigger.progress_factory is None:
+        from regress.progress import RichProgress
 
-        watcher.trigger.reporter_factory = RichReporter
+        watcher.trigger.progress_factory = RichProgress
 
 
 def _run_beat(config: Any, overrides: dict[str, Any]) -> int:
@@ -211,4 +211,7 @@ def standalone_app() -> typer.Typer:
 
 
 if __name__ == "__main__":
-    standalone_app()()
+    from regress.cli import run_app
+
+    # The same exit codes as `regress watch`: a crash is 3 with a crash log, never Python's 1.
+    run_app(standalone_app())

@@ -8,6 +8,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from regress.errors import PostError
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -15,15 +17,6 @@ class Answer:
 
     status: int
     body: str
-
-
-class PostError(Exception):
-    """The POST failed: unreachable, or an answer outside 2xx (``status`` then set)."""
-
-    def __init__(self, message: str, status: int | None = None, body: str = ""):
-        self.status = status
-        self.body = body
-        super().__init__(message)
 
 
 def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, timeout_s: float = 30) -> Answer:

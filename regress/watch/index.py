@@ -34,21 +34,14 @@ from packaging.utils import (
 )
 from packaging.version import InvalidVersion, Version
 
-from regress.errors import ConfigError, RunError
+from regress.errors import ConfigError, PackageIndexError
 
 JSON_SIMPLE = "application/vnd.pypi.simple.v1+json"
 """PEP 691 content type, version 1 of the simple API."""
 
-
-class PackageIndexError(RunError):
-    """The index could not be reached or gave an answer that is not a PEP 691 project page.
-
-    Names the URL (without credentials). A retry (the next tick) may help: exit code 3.
-    """
-
-    def __init__(self, message: str, *, url: str):
-        self.url = url
-        super().__init__(f"{url}: {message}")
+MAX_PAGE_BYTES = 256 * 1024 * 1024
+"""Largest project page read. PyPI's biggest pages (projects with tens of thousands of files)
+are tens of MiB; anything past this is a broken or hostile index, not a package."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +194,9 @@ class IndexClient:
         try:
             with urllib.request.urlopen(self._request(url), timeout=self.timeout_s, context=context) as answer:
                 content_type = answer.headers.get_content_type()
-                body = answer.read()
+                # One byte past the limit tells "too big" from "exactly the limit" without
+                # holding an unbounded answer in memory.
+                body = answer.read(MAX_PAGE_BYTES + 1)
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 raise PackageIndexError(f"no project '{package}' on this index (HTTP 404)", url=shown) from exc
@@ -209,14 +204,18 @@ class IndexClient:
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise PackageIndexError(f"the index is unreachable ({reason})", url=shown) from exc
+        if len(body) > MAX_PAGE_BYTES:
+            raise PackageIndexError(f"malformed answer: larger than {MAX_PAGE_BYTES:,} bytes", url=shown)
         if content_type != JSON_SIMPLE:
             raise PackageIndexError(
                 f"malformed answer: content type {content_type!r}, expected {JSON_SIMPLE!r} "
                 "(does this index serve the JSON simple API, PEP 691?)", url=shown)
         try:
             return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PackageIndexError(f"malformed answer: not JSON ({exc})", url=shown) from exc
+        except (ValueError, RecursionError) as exc:
+            # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit;
+            # RecursionError, arrays nested deeper than the parser's stack.
+            raise PackageIndexError(f"malformed answer: not JSON ({type(exc).__name__}: {exc})", url=shown) from exc
 
 
 def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
@@ -242,6 +241,9 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
     for number, entry in enumerate(files):
         if not isinstance(entry, dict) or not isinstance(entry.get("filename"), str):
             raise malformed(f"files[{number}] has no 'filename'")
+        problem = _file_problem(entry)
+        if problem:
+            raise malformed(f"files[{number}].{problem}")
         version = _version_of(entry["filename"])
         if version is None:
             continue
@@ -261,7 +263,7 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
         for raw in listed:
             try:
                 parsed = Version(raw)
-            except InvalidVersion:
+            except ValueError:  # InvalidVersion, or a number past Python's digit limit
                 continue
             if parsed in by_version:
                 spelled[parsed] = raw
@@ -275,6 +277,24 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
     return releases
 
 
+def _file_problem(entry: dict[str, Any]) -> str | None:
+    """What is absurd about one file entry's optional fields (PEP 691/700), if anything. These
+    are not used for the decision, but an index that gets them wrong is not to be trusted with
+    the rest of the page either."""
+    size = entry.get("size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        return f"size is {size!r}, expected a non-negative integer"
+    hashes = entry.get("hashes")
+    if hashes is not None and (not isinstance(hashes, dict)
+                               or not all(isinstance(v, str) for v in hashes.values())):
+        return "hashes is not a mapping of hash names to strings"
+    for key in ("upload-time", "requires-python"):
+        value = entry.get(key)
+        if value is not None and not isinstance(value, str):
+            return f"{key} is {value!r}, expected a string"
+    return None
+
+
 def _version_of(filename: str) -> Version | None:
     try:
         if filename.endswith(".whl"):
@@ -282,5 +302,8 @@ def _version_of(filename: str) -> Version | None:
         if filename.endswith((".tar.gz", ".zip")):
             return parse_sdist_filename(filename)[1]
     except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+    except ValueError:
+        # A release number past Python's integer digit limit: no installer could use it.
         return None
     return None

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from regress.errors import RunError, StorageError
+from regress.errors import StorageError, WatchStateError
 from regress.storage import atomic_write_text
 from regress.worker.settings import REDIS_SCHEMES
 
@@ -48,10 +48,6 @@ FINISHED: frozenset[str] = frozenset({"pass", "fail", "dispatched"})
 """Statuses after which the watcher's part is done (and a history line is written)."""
 IN_FLIGHT: frozenset[str] = frozenset({"claimed", "queued"})
 """Statuses of a check that was started but has no verdict yet."""
-
-
-class WatchStateError(RunError):
-    """The state store cannot be reached (Redis down); nothing was changed. Retry: exit 3."""
 
 
 class VersionRecord(BaseModel):
@@ -212,6 +208,8 @@ class FileState(WatchState):
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return _StateFile()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StorageError(f"{self.path}: cannot read the watch state ({exc})") from exc
         try:
             state = _StateFile.model_validate_json(text)
         except ValidationError as exc:
@@ -275,7 +273,10 @@ class FileState(WatchState):
         if not self.history_path.exists():
             return []
         with self._locked():  # never half a line that is being appended
-            lines = self.history_path.read_text(encoding="utf-8").splitlines()
+            try:
+                lines = self.history_path.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise StorageError(f"{self.history_path}: cannot read the watch history ({exc})") from exc
         records = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -309,7 +310,12 @@ class RedisState(WatchState):
         self.prefix = prefix
         self._shown = redact(url)
         self._redis = redis
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        except ValueError as exc:  # redis-py's own URL parsing: a bad port, scheme or database
+            from regress.errors import ConfigError
+
+            raise ConfigError(f"not a usable Redis URL {self._shown!r}: {exc}", field="watch.state") from exc
 
     def describe(self) -> str:
         return self._shown
@@ -349,9 +355,22 @@ class RedisState(WatchState):
                 except self._redis.WatchError:
                     continue
 
-    @staticmethod
-    def _record(raw: bytes | str | None) -> VersionRecord | None:
-        return None if raw is None else VersionRecord.model_validate_json(raw)
+    def _parse(self, where: str, raw: bytes | str) -> VersionRecord:
+        """A stored record, or :class:`WatchStateError` naming where it is (key, and hash field
+        or list index) when it does not parse: someone or something else wrote there, and
+        guessing is worse than stopping (the tick exits 3; fix or delete the record)."""
+        try:
+            return VersionRecord.model_validate_json(raw)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            at = ".".join(map(str, problem["loc"]))
+            raise WatchStateError(
+                f"the watch state at {self._shown} holds a malformed record in {where}: {problem['msg']}"
+                + (f" at {at}" if at else "") + "; fix or delete that record (the state is left as it is)"
+            ) from exc
+
+    def _record(self, key: str, version: str, raw: bytes | str | None) -> VersionRecord | None:
+        return None if raw is None else self._parse(f"{key} field {version!r}", raw)
 
     def known(self, package: str) -> dict[str, VersionRecord] | None:
         with self._translating():
@@ -361,7 +380,8 @@ class RedisState(WatchState):
             watched, raw = pipe.execute()
         if not watched:
             return None
-        return {k.decode(): VersionRecord.model_validate_json(v) for k, v in raw.items()}
+        key = self._versions_key(package)
+        return {_text(k): self._parse(f"{key} field {_text(k)!r}", v) for k, v in raw.items()}
 
     def initialise(self, package: str, seen: list[str]) -> bool:
         key = self._versions_key(package)
@@ -383,7 +403,7 @@ class RedisState(WatchState):
         key = self._versions_key(record.package)
 
         def body(pipe: Any) -> bool:
-            if not allowed(self._record(pipe.hget(key, record.version))):
+            if not allowed(self._record(key, record.version, pipe.hget(key, record.version))):
                 return False
             pipe.multi()
             pipe.hset(key, record.version, record.model_dump_json())
@@ -396,7 +416,7 @@ class RedisState(WatchState):
         key = self._versions_key(package)
 
         def body(pipe: Any) -> bool:
-            current = self._record(pipe.hget(key, version))
+            current = self._record(key, version, pipe.hget(key, version))
             if current is None or current.status not in statuses:
                 return False
             pipe.multi()
@@ -410,12 +430,18 @@ class RedisState(WatchState):
             self.client.rpush(f"{self.prefix}:history", record.model_dump_json())
 
     def history(self) -> list[VersionRecord]:
+        key = f"{self.prefix}:history"
         with self._translating():
-            raw = self.client.lrange(f"{self.prefix}:history", 0, -1)
-        return [VersionRecord.model_validate_json(line) for line in raw]
+            raw = self.client.lrange(key, 0, -1)
+        return [self._parse(f"{key}[{number}]", line) for number, line in enumerate(raw)]
 
     def close(self) -> None:
         self.client.close()
+
+
+def _text(raw: bytes | str) -> str:
+    """A Redis key or field as text; bytes that are not UTF-8 are shown escaped, not fatal."""
+    return raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
 
 
 def default_state_path() -> Path:

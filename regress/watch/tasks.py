@@ -20,7 +20,7 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from regress.errors import RegressError
+from regress.errors import CheckFailed, RegressError
 from regress.worker.app import app
 
 logger = get_task_logger(__name__)
@@ -29,11 +29,6 @@ TASK_TICK = "regress.watch.tick"
 TASK_CHECK = "regress.watch.check_release"
 BEAT_ENTRY = "regress-watch-tick"
 PARAMS_VARIABLE = "REGRESS_WATCH_PARAMS"
-
-
-class CheckFailed(Exception):
-    """A release's check could not run on the worker; the version is released for the next
-    tick. One plain string argument, so it crosses the JSON result backend intact."""
 
 
 @app.task(name=TASK_TICK)
@@ -50,18 +45,18 @@ def tick(params: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]
         # would leave them waiting for the one worker that is busy waiting for them.
         local = LocalTrigger(use_params_executor=False) if config.settings.trigger == "local" else None
         watcher = build_watcher(config, trigger=local)
-        report = watcher.tick()
+        result = watcher.tick()
     except RegressError as exc:
         logger.error("watch tick: %s", exc)
         return {"error": str(exc), "exit_code": exc.exit_code}
-    for warning in report.warnings:
+    for warning in result.warnings:
         logger.warning("watch tick: %s", warning)
-    for error in report.errors():
+    for error in result.errors():
         logger.error("watch tick: %s", error)
-    for package in report.packages:
+    for package in result.packages:
         for outcome in package.outcomes:
             logger.info("watch tick: %s %s: %s", package.package, outcome.version, outcome.status)
-    return report.summary()
+    return result.summary()
 
 
 @app.task(name=TASK_CHECK)

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from regress.errors import ConfigError, RunError, UnknownPluginError
+from regress.errors import BrokerError, CheckCommandFailed, ConfigError, RunError
+from regress.plugins import Registry
 
 if TYPE_CHECKING:
     from regress.watch.config import WatchConfig
@@ -94,10 +95,6 @@ class Trigger(ABC):
 # --------------------------------------------------------------------------------------
 
 
-class CheckCommandFailed(RunError):
-    """``watch.check_command`` could not run or exited with neither 0 (pass) nor 1 (regression)."""
-
-
 class LocalTrigger(Trigger):
     """Runs the check in this process: replay, score and report (regress.checks.run_check), or
     ``check_command`` when one is configured.
@@ -109,9 +106,9 @@ class LocalTrigger(Trigger):
 
     name = "local"
 
-    def __init__(self, *, use_params_executor: bool = True, reporter_factory: Callable[[str], Any] | None = None):
+    def __init__(self, *, use_params_executor: bool = True, progress_factory: Callable[[str], Any] | None = None):
         self.use_params_executor = use_params_executor
-        self.reporter_factory = reporter_factory
+        self.progress_factory = progress_factory
 
     def start(self, request: CheckRequest) -> TriggerOutcome:
         if request.check_command:
@@ -125,11 +122,11 @@ class LocalTrigger(Trigger):
         params = load_params(request.params)
         spec = release_candidate(params, request)
         executor = executor_for(params) if self.use_params_executor else None
-        if self.reporter_factory is None:
+        if self.progress_factory is None:
             result = run_check(params, spec, executor=executor)
         else:
-            with self.reporter_factory(f"check '{spec.name}'") as reporter:
-                result = run_check(params, spec, executor=executor, reporter=reporter)
+            with self.progress_factory(f"check '{spec.name}'") as progress:
+                result = run_check(params, spec, executor=executor, progress=progress)
         metrics = result.scored.report.metrics
         return TriggerOutcome(
             "fail" if result.verdict == "fail" else "pass",
@@ -182,7 +179,7 @@ class CeleryTrigger(Trigger):
 
     def start(self, request: CheckRequest) -> TriggerOutcome:
         from regress.watch.tasks import TASK_CHECK
-        from regress.worker.app import ensure_broker, make_app
+        from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, make_app
 
         app = make_app(self.settings, with_tasks=False)
         task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"
@@ -191,9 +188,9 @@ class CeleryTrigger(Trigger):
             app.send_task(TASK_CHECK, args=[request.model_dump(mode="json")], task_id=task_id, queue=self.queue,
                           retry=True, retry_policy={"max_retries": 3, "interval_start": 0.5,
                                                     "interval_step": 1, "interval_max": 3})
-        except Exception as exc:  # kombu and redis raise their own connection errors
-            raise RunError(f"could not send the check of {request.requirement} to the broker "
-                           f"{self.settings.describe()}: {exc}") from exc
+        except (BrokerError, *BROKER_CONNECTION_ERRORS) as exc:
+            raise BrokerError(f"could not send the check of {request.requirement} to the broker "
+                              f"{self.settings.describe()}: {exc}") from exc
         finally:
             app.close()
         return TriggerOutcome("queued", detail=f"task {task_id} on queue '{self.queue}'")
@@ -297,24 +294,31 @@ def _github(config: "WatchConfig") -> Trigger:
     return GitHubTrigger.from_environment(config.settings.github, timeout_s=config.settings.timeout_s)
 
 
-_TRIGGERS: dict[str, TriggerFactory] = {"local": _local, "celery": _celery, "github": _github}
+TRIGGERS = Registry("trigger", "regress.triggers", {
+    "local": "regress.watch.triggers:_local",
+    "celery": "regress.watch.triggers:_celery",
+    "github": "regress.watch.triggers:_github",
+})
+"""Trigger factories by name; other packages add theirs through the ``regress.triggers`` entry-point group."""
 
 
 def register_trigger(name: str, factory: TriggerFactory) -> None:
-    """Make ``watch.trigger: name`` build its trigger with ``factory(config)``."""
-    _TRIGGERS[name] = factory
+    """Make ``watch.trigger: name`` build its trigger with ``factory(config)`` (in this process)."""
+    TRIGGERS.register(name, factory)
 
 
 def known_triggers() -> list[str]:
-    return sorted(_TRIGGERS)
+    return sorted(TRIGGERS.names())
+
+
+def get_trigger_factory(name: str) -> TriggerFactory:
+    """The factory registered as ``name``; an unknown name lists the known ones."""
+    return TRIGGERS.get(name)
 
 
 def make_trigger(config: "WatchConfig") -> Trigger:
     """The trigger ``watch.trigger`` names; an unknown name lists the known ones."""
     name = config.settings.trigger
-    factory = _TRIGGERS.get(name)
-    if factory is None:
-        raise UnknownPluginError("trigger", name, known_triggers())
-    trigger = factory(config)
+    trigger = get_trigger_factory(name)(config)
     trigger.name = trigger.name or name
     return trigger

@@ -61,7 +61,7 @@ class VersionOutcome:
 
 
 @dataclass
-class PackageReport:
+class PackageOutcome:
     """What a tick found and did for one package."""
 
     package: str
@@ -76,14 +76,14 @@ class PackageReport:
 
 
 @dataclass
-class TickReport:
+class TickResult:
     """The result of one tick."""
 
     index: str
     state: str
     trigger: str
     dry_run: bool = False
-    packages: list[PackageReport] = field(default_factory=list)
+    packages: list[PackageOutcome] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def errors(self) -> list[RegressError]:
@@ -146,18 +146,18 @@ class Watcher:
         self.notifier = notifier
         self.dry_run = dry_run
 
-    def tick(self) -> TickReport:
+    def tick(self) -> TickResult:
         """Check every watched package once."""
-        report = TickReport(index=self.index.describe(), state=self.state.describe(), trigger=self.trigger.name,
+        result = TickResult(index=self.index.describe(), state=self.state.describe(), trigger=self.trigger.name,
                             dry_run=self.dry_run)
         for package in self.config.packages:
-            report.packages.append(self._package(package, report.warnings))
-        return report
+            result.packages.append(self._package(package, result.warnings))
+        return result
 
     # ----------------------------------------------------------------------------------
 
-    def _package(self, package: str, warnings: list[str]) -> PackageReport:
-        result = PackageReport(package)
+    def _package(self, package: str, warnings: list[str]) -> PackageOutcome:
+        result = PackageOutcome(package)
         try:
             releases = self.index.releases(package)
         except PackageIndexError as exc:
@@ -186,7 +186,7 @@ class Watcher:
         return result
 
     def _first_watch(self, package: str, releases: list[Release], eligible: list[Release],
-                     result: PackageReport) -> dict[str, VersionRecord]:
+                     result: PackageOutcome) -> dict[str, VersionRecord]:
         """Record the releases that are not to be checked on a package's first watch; returns
         the state's versions afterwards (as if recorded, on a dry run)."""
         to_check = {r.version for r in self._first_checks(eligible)}

@@ -23,15 +23,26 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
+import redis.exceptions
 from celery import Celery
+from kombu.exceptions import OperationalError
 
-from regress.errors import RunError
+from regress.errors import BrokerError
 from regress.worker.settings import CelerySettings
 
 TASK_REPLAY_SHARD = "regress.replay_shard"
 """Run one shard of a replay plan (regress.worker.tasks)."""
 
 TASK_MODULES = ["regress.worker.tasks", "regress.watch.tasks"]
+
+BROKER_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,  # kombu wraps the transport's connection and channel errors in this
+    redis.exceptions.ConnectionError,  # the result backend raises redis-py's own (also BusyLoading, Authentication)
+    redis.exceptions.TimeoutError,
+    OSError,  # sockets: refused, reset, unreachable host, DNS (ConnectionError and TimeoutError are OSErrors)
+)
+"""What the broker or result backend raise when Redis cannot be reached: a reason to wait or
+to report :class:`~regress.errors.BrokerError`, never a bug."""
 
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
 
@@ -90,17 +101,13 @@ def celery_config(settings: CelerySettings, *, with_tasks: bool = True) -> dict[
     }
 
 
-class BrokerError(RunError):
-    """The broker cannot be reached, or shards stopped arriving; names the broker (never its password)."""
-
-
 def ensure_broker(celery_app: Celery, described: str) -> None:
     """Fail in seconds, with a message that says what to check, when Redis is not there (sending
     would first wait out the result backend's reconnection attempts, then blame the backend)."""
     connection = celery_app.connection_for_write()
     try:
         connection.ensure_connection(max_retries=3, interval_start=1, interval_step=2, interval_max=4, timeout=5)
-    except Exception as exc:  # kombu and redis raise their own connection errors
+    except BROKER_CONNECTION_ERRORS as exc:
         raise BrokerError(f"cannot reach the broker {described}: {str(exc).rstrip('.')}; is Redis running, and is "
                           "the URL right (REGRESS_BROKER_URL or celery.broker_url in params.yaml)?") from exc
     finally:

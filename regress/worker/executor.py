@@ -17,25 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from regress.errors import RunError
+from regress.errors import BrokerError, ShardsFailedError, StorageError
 from regress.replay import (
     ENGINE_INFO_FILE,
-    ExecutionReport,
+    ExecutionOutcome,
+    ProgressSink,
     ReplayPlan,
-    Reporter,
     ShardTask,
-    saved_execution_report,
+    saved_execution_outcome,
     shard_is_done,
-    shard_message,
+    shard_request,
 )
-from regress.runs import VOCAB_FILE
+from regress.runs import VOCAB_FILE, shard_file
 from regress.storage import atomic_write_text
-from regress.worker.app import BrokerError, ensure_broker, make_app
+from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, make_app
 from regress.worker.settings import CelerySettings
-
-
-class ShardsFailedError(RunError):
-    """Shards of a run failed on the workers; the run is incomplete (finished shards are kept)."""
 
 
 @dataclass
@@ -74,7 +70,7 @@ class CeleryExecutor:
     def _payload(self, plan: ReplayPlan, run_dir: Path, task: ShardTask) -> dict[str, Any]:
         return {
             "candidate": plan.candidate.model_dump(mode="json"),
-            "message": shard_message(task, run_dir, plan.run_id),
+            "message": shard_request(task, run_dir, plan.run_id).to_dict(),
             "vocab_out": str((run_dir / VOCAB_FILE).resolve()),
         }
 
@@ -87,18 +83,18 @@ class CeleryExecutor:
         app.send_task(TASK_REPLAY_SHARD, args=[self._payload(plan, run_dir, tracked.task)],
                       task_id=tracked.task_id, queue=self.queue)
 
-    def run(self, plan: ReplayPlan, run_dir: Path, reporter: Reporter) -> ExecutionReport:
+    def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
         from celery.result import AsyncResult
 
         pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
         if not pending:
-            return saved_execution_report(run_dir)
+            return saved_execution_outcome(run_dir)
         info_file = run_dir / ENGINE_INFO_FILE
         self.queue = self.explicit_queue or self.settings.queue_for(plan.candidate.name)
         app = self._app()
         broker = self.settings.describe()
         ensure_broker(app, broker)
-        reporter.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")
+        progress.status(f"sending {len(pending)} shard(s) to queue '{self.queue}' on {broker}")
         tracked: dict[int, _Tracked] = {}
         outage_since: float | None = None
         try:
@@ -106,9 +102,8 @@ class CeleryExecutor:
                 item = _Tracked(task)
                 self._retry_broker(lambda item=item: self._send(app, plan, run_dir, item), broker)
                 tracked[task.index] = item
-            reporter.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
-            phases = ["generate"] + (["teacher_force"] if any(t.request["teacher_force"] is not None
-                                                              for t in plan.tasks) else [])
+            progress.status(f"waiting for workers on queue '{self.queue}' ({len(pending)} shard(s))")
+            phases = ["generate"] + (["teacher_force"] if plan.teacher_forced else [])
             last_change = time.monotonic()  # when a shard last finished or failed (stall timeout)
             waiting = dict(tracked)
             last_states = 0.0
@@ -124,21 +119,19 @@ class CeleryExecutor:
                         item.result = self._result_of(AsyncResult(item.task_id, app=app))
                         del waiting[index]
                         for phase in phases:
-                            reporter.advance(phase, len(item.task.request["prompts"]))
+                            progress.advance(phase, item.task.size)
                         last_change = time.monotonic()
                         continue
                     if not ask_states and outage_since is None:
                         continue
                     try:
                         state = AsyncResult(item.task_id, app=app).state
-                    except Exception as exc:
-                        if not _is_connection_error(exc):
-                            raise
+                    except BROKER_CONNECTION_ERRORS as exc:
                         # The broker is down: keep waiting (the files may still arrive), up to
                         # broker_outage_s.
                         if outage_since is None:
                             outage_since = time.monotonic()
-                            reporter.status(f"lost the broker {broker} ({type(exc).__name__}); waiting for it")
+                            progress.status(f"lost the broker {broker} ({type(exc).__name__}); waiting for it")
                         if time.monotonic() - outage_since > self.broker_outage_s:
                             raise BrokerError(f"the broker {broker} was unreachable for {self.broker_outage_s:.0f} s; "
                                               f"{len(waiting)} shard(s) unfinished; run the command again to resume") from exc
@@ -147,7 +140,7 @@ class CeleryExecutor:
                         # Back after an outage: queued messages may be gone if the broker lost
                         # them. Send every unfinished shard again; a shard already running or
                         # done is not harmed (results are keyed by run and shard).
-                        reporter.status(f"the broker {broker} is back; re-sending {len(waiting)} unfinished shard(s)")
+                        progress.status(f"the broker {broker} is back; re-sending {len(waiting)} unfinished shard(s)")
                         outage_since = None
                         for again in waiting.values():
                             if AsyncResult(again.task_id, app=app).state != "STARTED":
@@ -163,7 +156,7 @@ class CeleryExecutor:
                         del waiting[index]
                         last_change = time.monotonic()
                     elif state == "SUCCESS" and not shard_is_done(run_dir, item.task):
-                        item.error = (f"the worker reported success but {shard_message(item.task, run_dir, plan.run_id)['out']} "
+                        item.error = (f"the worker reported success but {shard_file(run_dir, item.task.index).resolve()} "
                                       "is not there: do the workers see this results directory (shared storage)?")
                         del waiting[index]
                 if waiting and time.monotonic() - last_change > self.stall_timeout_s:
@@ -182,7 +175,7 @@ class CeleryExecutor:
                 f"{len(failed)} of {len(plan.tasks)} shard(s) of '{plan.candidate.name}' failed; finished shards are "
                 f"kept in {run_dir}, run the command again to retry the rest:\n{lines}"
             )
-        return self._report(plan, run_dir, tracked, info_file)
+        return self._outcome(tracked, info_file)
 
     @staticmethod
     def _result_of(result: Any) -> dict[str, Any]:
@@ -191,7 +184,7 @@ class CeleryExecutor:
         try:
             if result.state == "SUCCESS" and isinstance(result.result, dict):
                 return result.result
-        except Exception:
+        except BROKER_CONNECTION_ERRORS:
             pass
         return {}
 
@@ -201,24 +194,29 @@ class CeleryExecutor:
             try:
                 action()
                 return
-            except Exception as exc:
-                if time.monotonic() > deadline or not _is_connection_error(exc):
+            except BROKER_CONNECTION_ERRORS as exc:
+                if time.monotonic() > deadline:
                     raise BrokerError(f"cannot send shards to the broker {broker}: {exc}") from exc
                 time.sleep(1)
 
     @staticmethod
     def _revoke(app: Any, items: list[_Tracked]) -> None:
+        # Best effort on the way out of an interrupted run: a broker that is gone cannot be told,
+        # and its queued shards are harmless (results are keyed by run and shard).
         try:
             for item in items:
                 app.control.revoke(item.task_id)
-        except Exception:
+        except BROKER_CONNECTION_ERRORS:
             pass
 
-    def _report(self, plan: ReplayPlan, run_dir: Path, tracked: dict[int, _Tracked], info_file: Path) -> ExecutionReport:
+    def _outcome(self, tracked: dict[int, _Tracked], info_file: Path) -> ExecutionOutcome:
         replies = [t.result for t in tracked.values() if t.result and not t.result.get("skipped")]
         saved: dict[str, Any] = {}
         if info_file.is_file():
-            saved = json.loads(info_file.read_text(encoding="utf-8"))
+            try:
+                saved = json.loads(info_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise StorageError(f"{info_file}: unreadable engine facts ({exc}); delete it and run again") from exc
         info = next((r["engine_info"] for r in replies if r.get("engine_info")), saved.get("info", {}))
         environment = next((r.get("environment") for r in replies if r.get("engine_info")), saved.get("environment"))
         loads = sum(1 for r in replies if r.get("engine_loaded"))
@@ -231,9 +229,4 @@ class CeleryExecutor:
         workers = sorted({f"{r['worker']}:{r['pid']}" for r in replies})
         atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment,
                                                  "workers": workers}, default=str))
-        return ExecutionReport(info, loads, load_s, memory, environment)
-
-
-def _is_connection_error(exc: BaseException) -> bool:
-    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
-    return bool(names & {"ConnectionError", "OperationalError", "ConnectionRefusedError", "TimeoutError", "BusyLoadingError"})
+        return ExecutionOutcome(info, loads, load_s, memory, environment)

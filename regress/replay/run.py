@@ -1,0 +1,60 @@
+"""``replay()``: plan, run the shards that are not done, write the manifest, put the run in place."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from regress.datasets import PromptSet
+from regress.records import CandidateSpec, RunManifest
+from regress.replay.executors import Executor, LocalExecutor
+from regress.replay.manifest import build_manifest
+from regress.replay.plan import plan_replay
+from regress.replay.rundir import finish, prepare_partial, prompts_done, shard_metas, up_to_date_run
+from regress.replay.sink import ProgressSink, SilentProgress
+from regress.runs import RunResult, write_manifest
+
+
+def replay(
+    candidate: CandidateSpec,
+    prompt_set: PromptSet,
+    out_dir: str | Path,
+    *,
+    golden: RunResult | None = None,
+    shard_size: int | None = None,
+    teacher_force: bool = True,
+    executor: Executor | None = None,
+    progress: ProgressSink | None = None,
+    force: bool = False,
+) -> RunManifest:
+    """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
+
+    A complete run of the same plan already in ``out_dir`` is reused unless ``force``; finished
+    shards of an interrupted run with the same plan are kept and not run again. Returns the
+    manifest of the complete run.
+    """
+    started = time.monotonic()
+    out_dir = Path(out_dir)
+    progress = progress or SilentProgress()
+    executor = executor or LocalExecutor()
+    plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force)
+    if not force:
+        existing = up_to_date_run(out_dir, plan)
+        if existing is not None:
+            progress.status(f"{out_dir} is up to date (same candidate, prompts, batches and golden); --force reruns it")
+            return existing
+    work = prepare_partial(out_dir, plan)
+    already = prompts_done(work, plan)
+    total = len(prompt_set)
+    progress.start("generate", total)
+    if already:
+        progress.advance("generate", already)
+    if plan.kind == "replay" and teacher_force:
+        progress.start("teacher_force", total)
+        if already:
+            progress.advance("teacher_force", already)
+    outcome = executor.run(plan, work, progress)
+    manifest = build_manifest(plan, outcome, shard_metas(work, plan), time.monotonic() - started)
+    write_manifest(work, manifest)
+    finish(work, out_dir)
+    return manifest
