@@ -17,6 +17,8 @@ exit code; users never see a traceback for their own mistakes.
     ├── RunError            exit 3    the check could not run; retrying may help
     │   ├── CandidateEnvError         creating a candidate's virtual environment failed
     │   ├── EngineError               the engine failed to start or died (names the candidate)
+    │   ├── ProtocolError             a message between orchestrator and engine process broke the
+    │   │                             protocol (internal: the client turns it into EngineError)
     │   ├── MissingDependencyError    an optional package is not installed (names it)
     │   ├── BrokerError               the Celery broker is unreachable, or shards stopped arriving
     │   ├── ShardsFailedError         shards of a run failed on the workers (names each)
@@ -147,6 +149,15 @@ class EngineError(RunError):
         self.retryable = retryable
         self.log = log
         super().__init__(f"candidate '{candidate}': {message}")
+
+
+class ProtocolError(RunError):
+    """A message between the orchestrator and the engine process does not follow
+    :mod:`regress.engine.protocol` (not JSON, another version, a missing or mistyped field).
+
+    Internal to the two processes: the orchestrator turns it into an :class:`EngineError`
+    naming the candidate, the engine process into an error reply.
+    """
 
 
 class MissingDependencyError(RunError):

@@ -34,6 +34,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, TypedDict, TypeVar, Union
 
+from regress.errors import ProtocolError  # noqa: F401  (part of this module's interface)
+
 PROTOCOL_VERSION = 1
 """Version of the messages below; both sides must speak the same one."""
 
@@ -46,15 +48,6 @@ as opposed to an engine failure (the exception's class name)."""
 
 PROTOCOL_ERROR = "protocol"
 """``ErrorDetail.type`` of a request the engine process could not decode."""
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow this protocol.
-
-    Internal to the two processes: the orchestrator turns it into an ``EngineError`` naming the
-    candidate, the engine process into an error reply. It lives here rather than in
-    :mod:`regress.errors` because it belongs to the wire format both sides share.
-    """
 
 
 # --------------------------------------------------------------------------------------
