@@ -250,11 +250,14 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
     def fmt(value, pattern="{:.3f}"):  # type: ignore[no-untyped-def]
         return "n/a" if value is None else pattern.format(value)
 
+    from regress.report.overview import measures
+
+    # The run's measures as the metrics declare them (label, format, order), plugins' included.
+    shown = ", ".join(f"{x.label} {x.value}" for x in measures(m))
     _out(
         f"{m.candidate}: {m.verdict.upper()}  {m.prompts} prompts: {m.identical} identical, {m.benign} benign, "
         f"{m.drift} drift, {m.regression} regression, {m.input_drift} input drift\n"
-        f"  exact match {m.exact_match_rate:.0%}, teacher-forced KL {fmt(m.mean_teacher_forced_kl, '{:.4f}')}, "
-        f"same top-1 {fmt(m.same_top1_rate, '{:.1%}')}, semantic {fmt(m.mean_semantic_similarity)}\n"
+        f"  {shown}\n"
         f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
         f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
     )
