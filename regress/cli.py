@@ -457,13 +457,18 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
     envs = list_envs()
     if as_json:
         _out(json.dumps([{"package": e.spec.package, "requirements": list(e.spec.requirements), "path": str(e.path),
-                          "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s")} for e in envs], indent=2))
+                          "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s"),
+                          "integrity": e.info.get("integrity")} for e in envs], indent=2))
         return
     if not envs:
         _out(f"no candidate environments under {envs_root()}")
     for e in envs:
+        integrity = e.info.get("integrity")
+        # Listed from the markers, not verified: `regress env verify` hashes, every use checks.
+        digest = (f"digest {str(integrity.get('digest'))[:12]}, {integrity.get('files')} files"
+                  if isinstance(integrity, dict) else "no digest yet: regress env verify records one")
         _out(f"{e.spec.describe():40}  {e.path}  (created {e.info.get('created_at', '?')[:19]}, "
-             f"install {e.info.get('install_s', '?')} s)")
+             f"install {e.info.get('install_s', '?')} s, {digest})")
 
 
 @env_app.command("create")
@@ -528,6 +533,51 @@ def env_path_cmd(
     from regress.envs import env_path
 
     _out(str(env_path(_env_spec(target, params))))
+
+
+@env_app.command("verify")
+def env_verify(
+    targets: Optional[list[str]] = typer.Argument(None, help="Package specs or candidate names from params.yaml."),
+    all_: bool = typer.Option(False, "--all", help="Every cached environment (those `regress env list` shows)."),
+    params: Path = ParamsOption,
+) -> None:
+    """Hash every file of each environment and compare it with the record made at its creation.
+
+    Exit 3, naming the environment and the first differing file, on a difference. Every use
+    runs a quicker check (sizes and times of every file; the start-up files hashed); this one
+    reads every byte. An environment made before regress recorded digests is adopted: its
+    digest is recorded now, trusting that nothing changed it since it was built.
+    """
+    from regress.envs import cached_env, envs_root, list_envs, verify_env
+    from regress.errors import CandidateEnvError, InputError
+
+    envs = list_envs() if all_ else []
+    for target in targets or []:
+        spec = _env_spec(target, params)
+        env = cached_env(spec)
+        if env is None:
+            raise InputError(f"no environment for '{spec.describe()}' under {envs_root()} "
+                             f"(regress env create {target} makes one)")
+        envs.append(env)
+    if not envs:
+        if all_:
+            _out(f"no candidate environments under {envs_root()}")
+            return
+        raise InputError("name package specs or candidates, or pass --all")
+    failures = []
+    for env in {env.path: env for env in envs}.values():  # --all and a name may both list one
+        with stderr_console.status(f"hashing every file of {env.spec.describe()}"):
+            try:
+                check = verify_env(env)
+            except CandidateEnvError as exc:
+                _out(f"{env.spec.describe()}: FAILED  {env.path}")
+                failures.append(str(exc))
+                continue
+        what = "adopted (digest recorded from its current content)" if check.adopted else "verified"
+        _out(f"{env.spec.describe()}: {what}, {check.files} files, {check.bytes_hashed / 1e9:.2f} GB hashed "
+             f"in {check.seconds:.1f} s  {env.path}")
+    if failures:
+        raise CandidateEnvError("\n".join(failures))
 
 
 # --------------------------------------------------------------------------------------

@@ -16,6 +16,40 @@ models do not need them).
 An environment is complete when its marker file ``regress-env.json`` exists; it is written
 last, so an interrupted build is detected and redone. A file lock keeps two processes from
 building the same environment at once.
+
+Integrity. The cache outlives jobs (on a CI runner, jobs share it), so an environment is
+verified before its code runs, not trusted because a marker says it is complete. At creation
+every file under the environment is recorded in ``regress-env.files.json`` (SHA-256 of its
+bytes, or a link's target, plus size, mtime and ctime), except ``__pycache__`` directories
+(Python writes bytecode lazily, long after creation) and regress's own two record files; the
+marker holds the SHA-256 of that list's contents (paths, kinds, hashes) and the file count.
+
+* On every use (:func:`find_env`, :func:`ensure_env`, hence :func:`python_for`) a quick check:
+  the tree is walked again; a path added, removed, or changed in kind, size or link target is a
+  difference; a file whose (mtime, ctime) moved is hashed again and compared; the files that
+  decide what code runs at start-up (``pyvenv.cfg``, ``bin/*`` scripts, ``*.pth`` and
+  ``sitecustomize``/``usercustomize`` in site-packages) are hashed every time. Hashing all 3 GB
+  of a vLLM environment takes 6-10 s on 2 cores, the quick check about 0.5 s (docs/benchmarks.md).
+  Its guarantee rests on ctime: writing a file's bytes sets its ctime to now, and no unprivileged
+  call sets it back (``os.utime`` restores mtime only), so a change keeps (size, mtime, ctime)
+  only for root or someone who moves the clock.
+* ``regress env verify`` hashes every file (:func:`verify_env`) and, when all match, records
+  the files' current times (after the environment was copied, say, and every ctime moved).
+
+A difference refuses the environment with a :class:`CandidateEnvError` naming it, the first
+differing file and the commands that rebuild it; it is never rebuilt silently, which would hide
+whatever changed it. Environments made before digests were recorded carry no digest: they are
+*adopted* (hashed once, the digest recorded) by :func:`ensure_env` and :func:`verify_env` rather
+than rebuilt (minutes per vLLM version per machine). That is acceptable only because their marker
+predates this feature and says the build finished; :func:`find_env` refuses them.
+
+Not covered: bytecode in ``__pycache__`` (a forged ``.pyc`` matching its source's mtime and
+size is loaded); anything outside the environment (the base interpreter ``bin/python`` links
+to, ``$HOME`` or ``PYTHONPATH``); and someone who rewrites the record along with the files: the
+record sits next to the environment, so this is a check against damage and against changes by
+anything that does not know regress (a job that pip-installs into a cached environment, a
+stray ``.pth`` file, a half-finished clean-up), not a signature. Only trusted workflows may run
+on a runner that keeps this cache (README, "Setting up the self-hosted GPU runner").
 """
 
 from __future__ import annotations
@@ -26,10 +60,13 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -43,7 +80,11 @@ from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
 from regress.storage import atomic_write_text
 
 ENV_MARKER = "regress-env.json"
+# Not part of the cache key (ENV_FORMAT_VERSION is): recording digests must not orphan every
+# cached environment, which would cost each machine a rebuild of several minutes per spec.
+ENV_MANIFEST = "regress-env.files.json"
 ENV_FORMAT_VERSION = 1
+INTEGRITY_VERSION = 1
 _CLASHING = ("torchvision", "torchaudio", "torchcodec")
 
 LineCallback = Callable[[str], None]
@@ -101,7 +142,7 @@ class EnvSpec:
 
 @dataclass(frozen=True)
 class CandidateEnv:
-    """A complete candidate environment."""
+    """A complete candidate environment (its marker says the build finished)."""
 
     path: Path
     spec: EnvSpec
@@ -111,15 +152,46 @@ class CandidateEnv:
     def python(self) -> Path:
         return self.path / "bin" / "python"
 
+    @property
+    def has_digest(self) -> bool:
+        """Whether a content digest was recorded (environments made before digests have none)."""
+        return "integrity" in self.info
+
+
+@dataclass(frozen=True)
+class EnvCheck:
+    """What a verification of an environment looked at."""
+
+    files: int
+    """Entries (files, links) compared with the record."""
+    hashed: int
+    """How many of them were hashed again."""
+    bytes_hashed: int
+    seconds: float
+    adopted: bool = False
+    """No digest was recorded before: this verification recorded one from the current content."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One entry of an environment's content record."""
+
+    kind: str
+    """"f" a regular file, "l" a symbolic link, else the type letter of ``stat.filemode``."""
+    value: str
+    """A file's SHA-256, a link's target, "" for anything else."""
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
 
 def env_path(spec: EnvSpec) -> Path:
     """Directory of the environment for ``spec`` (whether or not it exists)."""
     return envs_root() / spec.dirname()
 
 
-def find_env(spec: EnvSpec) -> CandidateEnv | None:
-    """The complete environment for ``spec``, if it exists."""
-    path = env_path(spec)
+def _read_marker(path: Path, spec: EnvSpec) -> CandidateEnv | None:
+    """The environment at ``path`` if its marker says it is complete (nothing verified yet)."""
     marker = path / ENV_MARKER
     if not marker.is_file():
         return None
@@ -127,13 +199,43 @@ def find_env(spec: EnvSpec) -> CandidateEnv | None:
         info = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    if not (path / "bin" / "python").exists():
+    if not isinstance(info, dict) or not (path / "bin" / "python").exists():
         return None
     return CandidateEnv(path, spec, info)
 
 
+def cached_env(spec: EnvSpec) -> CandidateEnv | None:
+    """The environment for ``spec`` if its marker says the build finished; not verified (hand it
+    to :func:`verify_env`). Code is run only from what :func:`find_env` or :func:`ensure_env` return."""
+    return _read_marker(env_path(spec), spec)
+
+
+def find_env(spec: EnvSpec, *, who: str = "") -> CandidateEnv | None:
+    """The complete environment for ``spec``, checked against its content record, if there is one.
+
+    None when there is none (or only an interrupted build). Raises :class:`CandidateEnvError` when
+    there is one but it differs from its record, or has no recorded digest (made by an older
+    regress: :func:`ensure_env` and :func:`verify_env` adopt those). ``who`` prefixes messages.
+    """
+    env = _read_marker(env_path(spec), spec)
+    if env is None:
+        return None
+    if not env.has_digest:
+        raise _no_digest(env, who)
+    _check(env, full=False, who=who)
+    return env
+
+
+def check_env(env: CandidateEnv) -> EnvCheck:
+    """The quick check every use runs (see the module's docstring); raises
+    :class:`CandidateEnvError` naming the first difference, or when no digest was recorded."""
+    if not env.has_digest:
+        raise _no_digest(env, "")
+    return _check(env, full=False, who="")[0]
+
+
 def list_envs() -> list[CandidateEnv]:
-    """All complete environments under :func:`envs_root`."""
+    """All complete environments under :func:`envs_root` (listed, not verified)."""
     found = []
     root = envs_root()
     if not root.is_dir():
@@ -142,7 +244,7 @@ def list_envs() -> list[CandidateEnv]:
         try:
             info = json.loads(marker.read_text(encoding="utf-8"))
             spec = EnvSpec(info["package"], tuple(info.get("requirements", ())))
-        except (OSError, json.JSONDecodeError, KeyError):
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
         found.append(CandidateEnv(marker.parent, spec, info))
     return found
@@ -158,6 +260,35 @@ def remove_env(spec: EnvSpec) -> bool:
         (path / ENV_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return True
+
+
+def verify_env(env: CandidateEnv, *, adopt: bool = True) -> EnvCheck:
+    """Hash every file of ``env`` and compare it with the record made at creation
+    (``regress env verify``); raises :class:`CandidateEnvError` on a difference.
+
+    When everything matches, the files' current times are recorded, so that the quick check on
+    each use need not hash them again (after the environment was copied, every ctime moved). An
+    environment without a recorded digest (made before regress recorded one) is adopted: hashed
+    and its digest recorded, when ``adopt``; refused otherwise.
+    """
+    with _lock(env.spec):
+        current = _read_marker(env.path, env.spec)  # as it is now that no build can be running
+        if current is None:
+            raise CandidateEnvError(f"the environment for '{env.spec.describe()}' at {env.path} is gone or incomplete")
+        if not current.has_digest:
+            if not adopt:
+                raise _no_digest(current, "")
+            return _adopt(current)[1]
+        check, found, records = _check(current, full=True, who="")
+        moved = {rel: st for rel, st in found.items()
+                 if (st.st_mtime_ns, st.st_ctime_ns) != (records[rel].mtime_ns, records[rel].ctime_ns)}
+        if moved:
+            # Content hashed and equal: only the times are new. A file written after the walk has
+            # a later ctime than the one stored here, so the next check hashes it again.
+            for rel, st in moved.items():
+                records[rel] = FileRecord(records[rel].kind, records[rel].value, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            _write_manifest(current.path, records)
+        return check
 
 
 @contextmanager
@@ -211,15 +342,27 @@ def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
 def ensure_env(
     spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None
 ) -> tuple[CandidateEnv, bool]:
-    """The environment for ``spec``, created if missing. Returns (environment, whether it was created)."""
+    """The environment for ``spec``, created if missing. Returns (environment, whether it was created).
+
+    An existing environment is checked against its content record first (quick check, see the
+    module's docstring) and refused with :class:`CandidateEnvError` when it differs; one made
+    before digests were recorded is adopted (hashed once, its digest recorded).
+    """
     spec.validate()
-    existing = find_env(spec)
-    if existing is not None:
-        return existing, False
     who = f"candidate '{candidate}': " if candidate else ""
+    existing = _read_marker(env_path(spec), spec)
+    if existing is not None and existing.has_digest:
+        _check(existing, full=False, who=who)
+        return existing, False
     with _lock(spec):
-        existing = find_env(spec)  # another process may have finished it while we waited
+        # Another process may have finished (or adopted) it while we waited.
+        existing = _read_marker(env_path(spec), spec)
         if existing is not None:
+            if not existing.has_digest:
+                if on_line:
+                    on_line(f"recording the content digest of {existing.path} (made before regress recorded one)")
+                return _adopt(existing, who)[0], False
+            _check(existing, full=False, who=who)
             return existing, False
         path = env_path(spec)
         if path.exists():
@@ -268,6 +411,13 @@ def ensure_env(
             "install_s": round(time.monotonic() - started, 1),
             "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
         }
+        if on_line:
+            on_line("recording the environment's content digest")
+        try:
+            # Last, after pip and the torchvision repair: what is recorded is what will run.
+            info["integrity"] = _record_content(path, adopted=False)
+        except OSError as exc:
+            raise fail(f"recording its content digest failed ({exc})") from exc
         atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
         return CandidateEnv(path, spec, info), True
 
