@@ -331,7 +331,11 @@ def report(
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
     from regress.scoring import SCORES_FILE, read_scored_run
+    from regress.validation import check_candidate_name
 
+    # Names become paths under scores/ and reports/: checked before anything is read or written.
+    for name in candidates or []:
+        check_candidate_name(name)
     p = load_params(params)
     scores_dir, reports_dir = p.scores_dir(), p.reports_dir()
     names = candidates or sorted(d.parent.name for d in scores_dir.glob(f"*/{SCORES_FILE}"))
@@ -391,7 +395,10 @@ def worker(
     max_engines: int = typer.Option(1, "--max-engines", min=1, help="Engines kept warm at once (one per candidate; a GPU usually holds one)."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Worker name (default: regress-PID@host)."),
     loglevel: str = typer.Option("INFO", "--loglevel", help="Celery log level."),
-    params: Path = typer.Option(Path("params.yaml"), "--params", "-p", help="Read celery settings from this params file if it exists."),
+    params: Path = typer.Option(Path("params.yaml"), "--params", "-p", help="Read celery settings from this params file if it exists (watch tasks take their check command, state and webhook from it too)."),
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="Write results only below this directory (default: $REGRESS_RESULTS_DIR, then params' celery.results_dir, then the working directory)."),
+    allow_insecure_broker: bool = typer.Option(False, "--allow-insecure-broker", help="Accept a password-less broker that is not on loopback (isolated networks only)."),
+    allow_unsigned: bool = typer.Option(False, "--allow-unsigned", help="Run without a signing key, accepting unsigned messages (a single-user machine with Redis on loopback only)."),
 ) -> None:
     """Run a Celery worker that replays shards (one at a time, engine kept warm per candidate).
 
@@ -406,11 +413,15 @@ def worker(
 
         settings = load_params(params).celery
     settings = settings.with_environment()
-    updates = {k: v for k, v in {"broker_url": broker, "visibility_timeout_s": visibility_timeout}.items() if v is not None}
+    updates = {k: v for k, v in {"broker_url": broker, "visibility_timeout_s": visibility_timeout,
+                                 "results_dir": str(results_dir.resolve()) if results_dir else None,
+                                 "allow_insecure_broker": allow_insecure_broker or None,
+                                 "allow_unsigned": allow_unsigned or None}.items() if v is not None}
     if updates:
         settings = settings.updated(updates, names={"broker_url": "--broker",
                                                     "visibility_timeout_s": "--visibility-timeout"})
-    run_worker(settings, queues=queue or [settings.queue], name=name, max_engines=max_engines, loglevel=loglevel)
+    run_worker(settings, queues=queue or [settings.queue], name=name, max_engines=max_engines, loglevel=loglevel,
+               params=params)
 
 
 @app.command("demo-prompts")

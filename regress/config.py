@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from regress.backends import check_backend_name
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
 from regress.records import CandidateSpec
-from regress.validation import all_errors, line_for, yaml_key_lines
+from regress.validation import all_errors, line_for, load_yaml, yaml_key_lines
 from regress.worker.settings import CelerySettings
 
 DEFAULT_PARAMS = "params.yaml"
@@ -353,7 +353,7 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     except OSError as exc:  # a directory, no permission
         raise ConfigError(f"cannot read it ({exc.strerror or exc})", file=path) from exc
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path,

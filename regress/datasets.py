@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from regress.errors import DatasetError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
-from regress.validation import all_errors, yaml_key_lines
+from regress.validation import all_errors, load_yaml, yaml_key_lines
 
 MAX_REPORTED_PROBLEMS = 50
 DEMO_PROMPTS = Path(__file__).parent / "data" / "prompts" / "demo.jsonl"
@@ -80,7 +80,7 @@ def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
         return DatasetCard(), b"", []
     raw = path.read_bytes()
     try:
-        data = yaml.safe_load(raw.decode("utf-8")) or {}
+        data = load_yaml(raw.decode("utf-8")) or {}
     except UnicodeDecodeError as exc:
         return DatasetCard(), raw, [DatasetError(f"not valid UTF-8 ({exc.reason})", file=path)]
     except yaml.YAMLError as exc:

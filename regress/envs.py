@@ -303,8 +303,248 @@ def _lock(spec: EnvSpec) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# --------------------------------------------------------------------------------------
+# content record
+# --------------------------------------------------------------------------------------
+
+_CHUNK = 1 << 20
+# hashlib releases the GIL while it hashes a large buffer: threads overlap reading and hashing.
+_HASH_WORKERS = min(8, os.cpu_count() or 1)
+
+
+def _is_record_file(name: str) -> bool:
+    """regress's own files at the top of an environment, and their atomic-write temporaries."""
+    own = (ENV_MARKER, ENV_MANIFEST)
+    return name in own or (name.startswith(tuple(f".{n}." for n in own)) and name.endswith(".tmp"))
+
+
+def _walk(root: Path) -> dict[str, os.stat_result]:
+    """Every entry under ``root`` that is not a directory, by relative POSIX path, links not
+    followed; without ``__pycache__`` directories (Python writes bytecode lazily) and regress's
+    record files."""
+    found: dict[str, os.stat_result] = {}
+    pending = [("", str(root))]
+    while pending:
+        prefix, directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not prefix and _is_record_file(entry.name):
+                    continue  # checked before stat: an atomic write's temporary may vanish meanwhile
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != "__pycache__":
+                        pending.append((f"{prefix}{entry.name}/", entry.path))
+                    continue
+                found[prefix + entry.name] = entry.stat(follow_symlinks=False)
+    return found
+
+
+_KIND_NAMES = {"f": "a file", "l": "a symbolic link"}
+
+
+def _kind(st: os.stat_result) -> str:
+    if stat.S_ISREG(st.st_mode):
+        return "f"
+    if stat.S_ISLNK(st.st_mode):
+        return "l"
+    return stat.filemode(st.st_mode)[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    # O_NOFOLLOW: the walk saw a regular file; a link swapped in since is not followed.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with open(fd, "rb", buffering=0) as fh:
+        while n := fh.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _value(root: Path, rel: str, kind: str) -> str:
+    if kind == "f":
+        return _sha256(root / rel)
+    if kind == "l":
+        return os.readlink(root / rel)
+    return ""
+
+
+def _decides_code(rel: str) -> bool:
+    """Files read when the interpreter starts, before any code of regress or the engine runs:
+    hashed on every use, whatever their times say."""
+    parts = rel.split("/")
+    if rel == "pyvenv.cfg" or (len(parts) == 2 and parts[0] == "bin"):
+        return True
+    if len(parts) >= 4 and parts[0] == "lib" and parts[2] == "site-packages":
+        top = parts[3]
+        return (len(parts) == 4 and top.endswith(".pth")) or top.split(".")[0] in ("sitecustomize", "usercustomize")
+    return False
+
+
+def _content_digest(records: dict[str, FileRecord]) -> str:
+    """SHA-256 over every entry's kind, path and content hash (or link target), in path order."""
+    digest = hashlib.sha256()
+    for rel in sorted(records):
+        record = records[rel]
+        digest.update(f"{record.kind}\0{rel}\0{record.value}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _write_manifest(path: Path, records: dict[str, FileRecord]) -> None:
+    payload = {
+        "version": INTEGRITY_VERSION,
+        "algorithm": "sha256",
+        "files": {rel: [r.kind, r.value, r.size, r.mtime_ns, r.ctime_ns] for rel, r in sorted(records.items())},
+    }
+    atomic_write_text(path / ENV_MANIFEST, json.dumps(payload, separators=(",", ":")))
+
+
+def _record_content(path: Path, *, adopted: bool) -> dict:
+    """Hash everything under ``path``, write the content record; returns the marker's ``integrity``.
+    Raises OSError when a file cannot be read."""
+    started = time.monotonic()
+    found = _walk(path)
+    kinds = {rel: _kind(st) for rel, st in found.items()}
+    with ThreadPoolExecutor(_HASH_WORKERS, thread_name_prefix="env-hash") as pool:
+        values = list(pool.map(lambda rel: _value(path, rel, kinds[rel]), found))
+    # The times are those seen before hashing: a file written meanwhile shows a later ctime.
+    records = {rel: FileRecord(kinds[rel], value, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+               for (rel, st), value in zip(found.items(), values)}
+    _write_manifest(path, records)
+    return {
+        "version": INTEGRITY_VERSION,
+        "algorithm": "sha256",
+        "digest": _content_digest(records),
+        "files": len(records),
+        "bytes": sum(r.size for r in records.values() if r.kind == "f"),
+        "recorded_at": datetime.now(timezone.utc).isoformat(),
+        "hash_s": round(time.monotonic() - started, 1),
+        "adopted": adopted,
+    }
+
+
+def _read_manifest(env: CandidateEnv, who: str) -> dict[str, FileRecord]:
+    """The content record of ``env``, checked against the digest in its marker."""
+    try:
+        integrity = env.info["integrity"]
+        expected = (str(integrity["digest"]), int(integrity["files"]))
+        raw = json.loads((env.path / ENV_MANIFEST).read_text(encoding="utf-8"))
+        records = {str(rel): FileRecord(str(kind), str(value), int(size), int(mtime), int(ctime))
+                   for rel, (kind, value, size, mtime, ctime) in raw["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _refusal(env, f"has a missing or unreadable content record ({ENV_MANIFEST}: {exc})", who) from exc
+    if (_content_digest(records), len(records)) != expected:
+        raise _refusal(env, f"has a content record ({ENV_MANIFEST}) that does not match the digest in {ENV_MARKER}", who)
+    return records
+
+
+def _differences(root: Path, records: dict[str, FileRecord], *, full: bool
+                 ) -> tuple[list[tuple[str, str]], dict[str, os.stat_result], int, int]:
+    """(path, what) for each difference, in path order; what was found; files and bytes hashed."""
+    found = _walk(root)
+    differences: list[tuple[str, str]] = []
+    to_hash: list[str] = []
+    for rel, st in found.items():
+        record = records.get(rel)
+        if record is None:
+            differences.append((rel, "was added"))
+            continue
+        kind = _kind(st)
+        if kind != record.kind:
+            differences.append((rel, f"changed type (was {_KIND_NAMES.get(record.kind, record.kind)}, "
+                                     f"now {_KIND_NAMES.get(kind, kind)})"))
+        elif kind == "l":
+            to_hash.append(rel)  # reading a link is as cheap as its stat
+        elif kind == "f":
+            if st.st_size != record.size:
+                differences.append((rel, f"changed (size {record.size} → {st.st_size} bytes)"))
+            elif full or (st.st_mtime_ns, st.st_ctime_ns) != (record.mtime_ns, record.ctime_ns) or _decides_code(rel):
+                to_hash.append(rel)
+    differences += [(rel, "was removed") for rel in records.keys() - found.keys()]
+
+    def value(rel: str) -> str | None:
+        try:
+            return _value(root, rel, records[rel].kind)
+        except OSError:
+            return None
+
+    with ThreadPoolExecutor(_HASH_WORKERS, thread_name_prefix="env-hash") as pool:
+        for rel, now in zip(to_hash, pool.map(value, to_hash)):
+            if now is None:
+                differences.append((rel, "cannot be read"))
+            elif now != records[rel].value:
+                differences.append((rel, "changed (link target)" if records[rel].kind == "l" else "changed (content)"))
+    hashed = [rel for rel in to_hash if records[rel].kind == "f"]
+    return sorted(differences), found, len(hashed), sum(found[rel].st_size for rel in hashed)
+
+
+def _check(env: CandidateEnv, *, full: bool, who: str
+           ) -> tuple[EnvCheck, dict[str, os.stat_result], dict[str, FileRecord]]:
+    """Compare ``env`` with its record: quickly (sizes, times, start-up files) or ``full``
+    (every file hashed). Raises CandidateEnvError naming the first difference."""
+    started = time.monotonic()
+    records = _read_manifest(env, who)
+    try:
+        differences, found, hashed, nbytes = _differences(env.path, records, full=full)
+    except OSError as exc:
+        raise _refusal(env, f"cannot be read ({exc})", who) from exc
+    if differences:
+        rel, what = differences[0]
+        more = len(differences) - 1
+        also = f" (and {more} more difference{'s' if more > 1 else ''})" if more else ""
+        raise _refusal(env, f"differs from the record made when it was created: {rel} {what}{also}", who)
+    return EnvCheck(len(found), hashed, nbytes, round(time.monotonic() - started, 2)), found, records
+
+
+def _adopt(env: CandidateEnv, who: str = "") -> tuple[CandidateEnv, EnvCheck]:
+    """Record the digest of an environment made before regress recorded one (lock held).
+
+    Acceptable only because such a marker predates this feature and says the build finished;
+    regress no longer writes a marker without a digest."""
+    started = time.monotonic()
+    try:
+        integrity = _record_content(env.path, adopted=True)
+    except OSError as exc:
+        raise _refusal(env, f"cannot be read ({exc})", who) from exc
+    info = {**env.info, "integrity": integrity}
+    atomic_write_text(env.path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
+    check = EnvCheck(integrity["files"], integrity["files"], integrity["bytes"],
+                     round(time.monotonic() - started, 2), adopted=True)
+    return CandidateEnv(env.path, env.spec, info), check
+
+
+def _recreate_hint(spec: EnvSpec) -> str:
+    if not spec.requirements:
+        target = shlex.quote(spec.package)
+        return f"regress env remove {target} && regress env create {target}"
+    # `regress env` takes one package spec, or a candidate name (which brings its requirements).
+    return ("regress env remove NAME && regress env create NAME, NAME being the candidate in "
+            f"params.yaml that needs it (or delete {shlex.quote(str(env_path(spec)))}: the next use rebuilds it)")
+
+
+def _refusal(env: CandidateEnv, problem: str, who: str) -> CandidateEnvError:
+    return CandidateEnvError(
+        f"{who}the environment for '{env.spec.describe()}' at {env.path} {problem}. regress runs no "
+        "code from an environment it cannot verify, and does not rebuild it silently (that would "
+        f"hide whatever changed it); look at it, then rebuild it: {_recreate_hint(env.spec)}"
+    )
+
+
+def _no_digest(env: CandidateEnv, who: str) -> CandidateEnvError:
+    target = shlex.quote(env.spec.package) if not env.spec.requirements else "NAME"
+    return CandidateEnvError(
+        f"{who}the environment for '{env.spec.describe()}' at {env.path} has no recorded content "
+        "digest (it was made before regress recorded one). `regress env verify "
+        f"{target}` (or `regress env create {target}`) records one from its current content, "
+        f"trusting that nothing changed it since it was built; or rebuild it: {_recreate_hint(env.spec)}"
+    )
+
+
 def _clean_environ() -> dict[str, str]:
-    env = dict(os.environ)
+    from regress.redact import without_secrets
+
+    # pip and the probes need no broker, token or watcher URL (PIP_* credentials stay: pip's own).
+    env = without_secrets(os.environ)
     for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV"):
         env.pop(var, None)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
@@ -313,13 +553,18 @@ def _clean_environ() -> dict[str, str]:
 
 def _run_logged(cmd: list[str], log: Path, on_line: LineCallback | None) -> int:
     with open(log, "a", encoding="utf-8") as fh:
-        fh.write(f"$ {' '.join(cmd)}\n")
+        from regress.redact import redact
+
+        # A requirement or index URL may carry credentials (pkg @ https://u:tok@host/x.whl):
+        # the log keeps the command and pip's lines, never the secrets.
+        fh.write(redact(f"$ {' '.join(cmd)}") + "\n")
         fh.flush()
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ()
         )
         assert proc.stdout is not None
         for line in proc.stdout:
+            line = redact(line)
             fh.write(line)
             if on_line and line.strip() and not line.startswith("WARNING: Location"):
                 on_line(line.rstrip())

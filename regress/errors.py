@@ -27,7 +27,9 @@ exit code; users never see a traceback for their own mistakes.
     │   ├── WatchStateError           the watcher's state store is unreachable or holds a malformed record
     │   ├── PostError                 a webhook or GitHub API POST failed (status and body when answered)
     │   ├── CheckCommandFailed        watch.check_command could not run or exited neither 0 nor 1
-    │   └── CheckFailed               a release's check could not run on a Celery worker
+    │   ├── CheckFailed               a release's check could not run on a Celery worker
+    │   └── MessageRefused            a worker refused a broker message (unsigned, forged, unsafe)
+    │   └── IntegrityError            a shard of a complete run is not what its manifest recorded
     └── StorageError        exit 2    a results directory or state file is missing, incomplete or corrupt
 
 Exit code 1 is reserved for "a regression was found": it is a verdict, not an error. Any
@@ -211,6 +213,20 @@ class CheckCommandFailed(RunError):
 class CheckFailed(RunError):
     """A release's check could not run on a Celery worker; the version is released for the next
     tick. One plain string argument, so it crosses the JSON result backend intact."""
+
+
+class IntegrityError(RunError):
+    """A shard of a run marked complete does not match what the manifest recorded for it (its
+    sha256 and size, its run id, its shard fingerprint), or is missing: the bytes changed after
+    the run finished, or a shard of another run was copied in. Names the shard. Exit 3, not 2:
+    the user's input is fine, the stored run is not (re-run it, or restore it from DVC)."""
+
+
+class MessageRefused(RunError):
+    """A worker refused a broker message before running anything: unsigned, tampered, signed
+    with another key, stale, or asking for what a message may not choose (a command, a path
+    outside the results directory, a direct-URL requirement, a loader variable). One plain
+    string argument, so it crosses the JSON result backend intact."""
 
 
 class StorageError(RegressError):

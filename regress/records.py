@@ -463,6 +463,23 @@ class Memory(_Record):
     """Peak GPU memory allocated, when on GPU."""
 
 
+class ShardFile(_Record):
+    """One shard file of a complete run as it was when the manifest was written: the reader
+    verifies it before parsing (:func:`regress.runs.load_run`)."""
+
+    index: int
+    """Shard number (its file is ``shards/shard-<index>.shard``)."""
+    sha256: str
+    """Hash of the file's bytes."""
+    size: int
+    """The file's size in bytes."""
+    run_id: str | None = None
+    """The run id stamped on the shard when it was written (None: the shard carries none)."""
+    fingerprint: str | None = None
+    """The shard fingerprint stamped on it: a hash of the plan fingerprint and this shard's request
+    (None: the shard carries none)."""
+
+
 class RunManifest(_Record):
     """How a run was produced: written last, so a run without a manifest is incomplete."""
 
@@ -502,6 +519,10 @@ class RunManifest(_Record):
     """Times and token counts."""
     memory: Memory
     """Peak memory."""
+    shard_files: list[ShardFile] | None = None
+    """Every shard file's hash, size and stamps, in order (filled in by
+    :func:`regress.runs.write_manifest`). None in manifests written before shard files were
+    recorded: such a run still loads, its shards unverified."""
 
 
 # --------------------------------------------------------------------------------------

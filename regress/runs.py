@@ -16,12 +16,21 @@ is displayed as its bytes, ``<0xE5><0x90>`` (whole characters in it stay text, s
 :func:`piece_display`); consecutive pieces join back into the text (see :func:`join_pieces`).
 
 A run is assembled in ``<run>.partial/`` and renamed into place when every shard is there,
-so a reader never sees half a run, and an interrupted run resumes from its finished shards.
+so a reader never sees half a run, and an interrupted run resumes from its finished shards
+(see :mod:`regress.replay.rundir` for the swap and its recovery).
+
+Integrity: the manifest records every shard file's sha256, size, run id and shard fingerprint
+(``RunManifest.shard_files``, filled in by :func:`write_manifest`). :func:`load_run` checks them
+before parsing a shard, so changed bytes, a shard of another run copied in, or a missing shard
+is an :class:`~regress.errors.IntegrityError` (exit 3) naming the shard. A manifest written
+before shard files were recorded still loads: its shards' run ids are checked where they carry
+one, the rest is unverified (``RunResult.verified`` is False).
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +39,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from pydantic import ValidationError
 
-from regress.errors import StorageError
-from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest
-from regress.storage import atomic_write_text, read_shard
+from regress.errors import IntegrityError, StorageError
+from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest, ShardFile
+from regress.storage import atomic_write_text, decode_shard, read_shard_meta, sha256_file
 
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
@@ -100,9 +109,36 @@ def shard_file(run_dir: Path, index: int) -> Path:
     return run_dir / SHARDS_DIR / f"shard-{index:05d}.shard"
 
 
-def write_manifest(run_dir: Path, manifest: RunManifest) -> None:
-    """Write the manifest atomically (it marks the run complete)."""
+def shard_files(run_dir: Path, manifest: RunManifest) -> list[ShardFile]:
+    """What the manifest records of each shard file of ``run_dir``: hash, size and the stamps in
+    its metadata. A shard that is missing, does not parse, or is stamped with another run id is
+    an :class:`IntegrityError`: a manifest must never bless it."""
+    records = []
+    for shard in manifest.layout.shards:
+        file = shard_file(run_dir, shard.index)
+        try:
+            sha256, size = sha256_file(file)
+            meta = read_shard_meta(file)
+        except FileNotFoundError as exc:
+            raise IntegrityError(f"{file}: shard {shard.index} is missing; the run cannot be marked complete") from exc
+        except (OSError, ValueError) as exc:
+            raise IntegrityError(f"{file}: shard {shard.index} is unreadable ({exc})") from exc
+        run_id = meta.get("run_id")
+        if run_id is not None and run_id != manifest.run_id:
+            raise IntegrityError(f"{file}: shard {shard.index} belongs to run {run_id}, not {manifest.run_id}")
+        fingerprint = meta.get("fingerprint")
+        records.append(ShardFile(index=shard.index, sha256=sha256, size=size,
+                                 run_id=run_id if isinstance(run_id, str) else None,
+                                 fingerprint=fingerprint if isinstance(fingerprint, str) else None))
+    return records
+
+
+def write_manifest(run_dir: Path, manifest: RunManifest) -> RunManifest:
+    """Record every shard file in the manifest (:func:`shard_files`) and write it atomically (it
+    marks the run complete). Returns the manifest as written."""
+    manifest = manifest.model_copy(update={"shard_files": shard_files(run_dir, manifest)})
     atomic_write_text(run_dir / MANIFEST, manifest.model_dump_json(indent=2))
+    return manifest
 
 
 def read_manifest(run_dir: str | Path) -> RunManifest:
@@ -112,6 +148,8 @@ def read_manifest(run_dir: str | Path) -> RunManifest:
     if not path.is_file():
         partial = run_dir.with_name(run_dir.name + ".partial")
         hint = f" (an unfinished run is in {partial}; run the command again to resume it)" if partial.exists() else ""
+        if run_dir.with_name(f".{run_dir.name}.old").exists():
+            hint = " (a run was being replaced when its process died; run the command again to recover it)"
         raise StorageError(f"{run_dir}: not a complete run, {MANIFEST} is missing{hint}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -138,6 +176,9 @@ class RunResult:
     finish_reasons: list[str]
     sampling: list[dict[str, Any]]
     arrays: dict[str, np.ndarray]
+    verified: bool = True
+    """Whether every shard was checked against a hash in the manifest (False: the manifest
+    predates shard hashes; the shards parsed and their run ids matched, nothing more)."""
 
     def __post_init__(self) -> None:
         self._index = {pid: i for i, pid in enumerate(self.prompt_ids)}
@@ -335,14 +376,27 @@ def load_run(path: str | Path) -> RunResult:
     finish: list[str] = []
     sampling: list[dict[str, Any]] = []
     parts = []
+    recorded = {f.index: f for f in manifest.shard_files or []}
     for shard in manifest.layout.shards:
         file = shard_file(run_dir, shard.index)
+        expected = recorded.get(shard.index)
+        if manifest.shard_files is not None and expected is None:
+            raise IntegrityError(f"{file}: the manifest {run_dir / MANIFEST} records no hash for shard {shard.index}")
         try:
-            meta, arrays = read_shard(file)
+            data = file.read_bytes()
         except FileNotFoundError as exc:
-            raise StorageError(f"{file}: shard {shard.index} is missing from a run marked complete") from exc
-        except (OSError, ValueError) as exc:  # ValueError: damaged or foreign (regress.storage)
+            raise IntegrityError(f"{file}: shard {shard.index} is missing from a run marked complete") from exc
+        except OSError as exc:
             raise StorageError(f"{file}: {exc}") from exc
+        if expected is not None:
+            # Before parsing: damaged bytes are then named as such, never as whatever the parser
+            # happened to trip over, and a shard that parses but was changed is caught too.
+            _verify_bytes(file, shard.index, data, expected)
+        try:
+            meta, arrays = decode_shard(data)
+        except ValueError as exc:  # damaged or foreign (regress.storage)
+            raise StorageError(f"{file}: {exc}") from exc
+        _verify_stamps(file, shard.index, meta, manifest, expected)
         _check_shard(file, meta, arrays, shard.count)
         if parts and set(arrays) != set(parts[0]):
             raise StorageError(f"{file}: holds the arrays {sorted(arrays)}, the run's first shard "
@@ -352,4 +406,25 @@ def load_run(path: str | Path) -> RunResult:
         finish += meta["finish_reasons"]
         sampling += meta["sampling"]
         parts.append(arrays)
-    return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, _concatenate(parts))
+    return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, _concatenate(parts),
+                     verified=manifest.shard_files is not None)
+
+
+def _verify_bytes(file: Path, index: int, data: bytes, expected: ShardFile) -> None:
+    if len(data) != expected.size or hashlib.sha256(data).hexdigest() != expected.sha256:
+        raise IntegrityError(
+            f"{file}: shard {index} is not the file the run recorded (size {len(data)}, sha256 "
+            f"{hashlib.sha256(data).hexdigest()[:12]}; recorded size {expected.size}, sha256 "
+            f"{expected.sha256[:12]}): changed or replaced after the run finished; re-run it or restore it")
+
+
+def _verify_stamps(file: Path, index: int, meta: dict[str, Any], manifest: RunManifest,
+                   expected: ShardFile | None) -> None:
+    """The shard's own stamps against the manifest's: caught even where no hash was recorded."""
+    run_id = meta.get("run_id")
+    if run_id is not None and run_id != manifest.run_id:
+        raise IntegrityError(f"{file}: shard {index} belongs to run {run_id}, not to this run {manifest.run_id}: "
+                             "a shard of another run was copied in")
+    if expected is not None and expected.fingerprint is not None and meta.get("fingerprint") != expected.fingerprint:
+        raise IntegrityError(f"{file}: shard {index} was made for another plan (fingerprint "
+                             f"{str(meta.get('fingerprint'))[:12]}, recorded {expected.fingerprint[:12]})")

@@ -7,6 +7,7 @@ aggregated, and how, is what each metric declares (:class:`regress.metrics.spec.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import statistics
@@ -223,8 +224,21 @@ def score_runs(
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
 
 
+def scoring_id(scored: ScoredRun) -> str:
+    """Identifies one scoring: its time, both runs and its aggregates. Every report file carries
+    it (see :mod:`regress.report`), so a file left from another scoring is recognised."""
+    identity = "|".join([scored.created_at.isoformat(), scored.run.run_id, scored.golden.run_id,
+                         scored.metrics.model_dump_json()])
+    return hashlib.sha256(identity.encode("utf-8")).hexdigest()[:16]
+
+
 def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, Path]:
-    """Write ``scores.json`` (everything) and ``metrics.json`` (aggregates, DVC metrics) atomically."""
+    """Write ``scores.json`` (everything) and ``metrics.json`` (aggregates, DVC metrics).
+
+    Each file is replaced atomically, but not both at once: a crash between the two leaves the
+    new ``scores.json`` beside the old ``metrics.json``. ``metrics.json`` is written last and is
+    exactly ``scores.json``'s ``metrics``, so :func:`read_scored_run` recognises such a pair
+    (and a reader of ``metrics.json`` alone sees a whole scoring, the old one)."""
     out_dir = Path(out_dir)
     scores_path, metrics_path = out_dir / SCORES_FILE, out_dir / METRICS_FILE
     atomic_write_text(scores_path, scored.model_dump_json(indent=1))
@@ -232,8 +246,31 @@ def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, P
     return scores_path, metrics_path
 
 
+def check_metrics_beside(scored: ScoredRun, metrics_path: Path, mismatch: str | None = None) -> None:
+    """Raise :class:`StorageError` if ``metrics_path`` exists and is not ``scored``'s aggregates:
+    the two files are of different scorings (a scoring died between its writes). ``mismatch``:
+    what the error says then, after the path."""
+    from regress.errors import StorageError
+
+    try:
+        text = metrics_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StorageError(f"{metrics_path}: cannot read it ({exc})") from exc
+    try:
+        same = RunMetrics.model_validate_json(text) == scored.metrics
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        same = False
+    if not same:
+        raise StorageError(f"{metrics_path}: " + (mismatch or (
+            f"not the aggregates of {metrics_path.parent / SCORES_FILE} beside it: the two are of different "
+            "scorings (one was interrupted); run `regress score` again")))
+
+
 def read_scored_run(path: str | Path) -> ScoredRun:
-    """Read a ``scores.json`` back (``path`` may be its directory)."""
+    """Read a ``scores.json`` back (``path`` may be its directory), checking that the
+    ``metrics.json`` beside it (if any) is of the same scoring."""
     from pydantic import ValidationError
 
     from regress.errors import StorageError
@@ -242,8 +279,10 @@ def read_scored_run(path: str | Path) -> ScoredRun:
     if path.is_dir():
         path = path / SCORES_FILE
     try:
-        return ScoredRun.model_validate_json(path.read_text(encoding="utf-8"))
+        scored = ScoredRun.model_validate_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise StorageError(f"{path}: no such file (run `regress score` first)") from exc
     except ValidationError as exc:
         raise StorageError(f"{path}: not a regress scores file: {exc.errors()[0]['msg']}") from exc
+    check_metrics_beside(scored, path.parent / METRICS_FILE)
+    return scored

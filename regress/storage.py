@@ -13,6 +13,8 @@ and grouping them roughly halves the compressed size of logprobs (see docs/bench
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import io
 import json
 import os
@@ -52,6 +54,31 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()
 
 
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename (or creation, or removal) inside directory ``path`` durable: without it a
+    power cut can undo a rename the program already relied on."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some filesystems (and platforms) cannot fsync a directory; the rename stands anyway.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> tuple[str, int]:
+    """(sha256 hex digest, size in bytes) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
@@ -65,6 +92,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -1,30 +1,136 @@
 """Turn pydantic validation errors into messages a user can act on: which field, what is
-allowed, what was given."""
+allowed, what was given. And read YAML with bounded alias expansion (:func:`load_yaml`)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+MAX_YAML_ALIASES = 100
+"""Aliases (``*name``) one YAML document may hold: plenty for anchors shared between candidates."""
+MAX_YAML_NODES = 100_000
+"""Nodes a YAML document may hold with every alias expanded (a params.yaml has hundreds): nine
+lines of nine aliases each would otherwise expand to 9**9 ("billion laughs")."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts aliases while composing (composing shares an aliased node, so it
+    is cheap; constructing copies it, and that is where a bomb explodes)."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_YAML_ALIASES:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"more than {MAX_YAML_ALIASES} aliases; regress refuses documents that big in "
+                    "aliases (YAML alias bombs)", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a composed document whose expansion (every alias copied out) exceeds
+    :data:`MAX_YAML_NODES`, or that refers to itself; measured on the shared graph, so in time
+    proportional to the text, not to the expansion. The error names the innermost collection
+    whose expansion crosses the limit."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise yaml.constructor.ConstructorError(None, None, "an alias refers to a collection that contains it",
+                                                    node.start_mark)
+        total = 1
+        if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+            open_nodes.add(key)
+            children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+            for child in children:
+                total += size(child)
+                if total > MAX_YAML_NODES:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"expands to more than {MAX_YAML_NODES} values through its aliases; regress "
+                        "refuses such documents (YAML alias bombs)", node.start_mark)
+            open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
+
+
+def _compose(loader: _BoundedLoader) -> yaml.Node | None:
+    try:
+        node = loader.get_single_node()
+    except RecursionError as exc:  # nesting deeper than the composer's recursion allows
+        raise yaml.YAMLError("nested too deeply") from exc
+    if node is not None:
+        _check_expansion(node)
+    return node
+
+
+def compose_yaml(text: str) -> yaml.Node | None:
+    """The YAML document's node graph, bounded as :func:`load_yaml` says."""
+    loader = _BoundedLoader(text)
+    try:
+        return _compose(loader)
+    finally:
+        loader.dispose()
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses alias bombs before constructing anything: more than
+    :data:`MAX_YAML_ALIASES` aliases, an expansion beyond :data:`MAX_YAML_NODES` values, or an
+    alias inside what it names. Raises ``yaml.YAMLError`` (a ``MarkedYAMLError`` with the line
+    where it can), as ``safe_load`` does, so callers' messages name file and line."""
+    loader = _BoundedLoader(text)
+    try:
+        node = _compose(loader)
+        return None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def yaml_key_lines(text: str) -> dict[str, int]:
     """Dotted key path -> 1-based line of every mapping key in a YAML document (for messages)."""
     lines: dict[str, int] = {}
 
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
+    def walk(node: Any, prefix: str, seen: frozenset[int]) -> None:
+        # ``seen``: an aliased mapping is walked once per path, never into itself.
+        if isinstance(node, yaml.MappingNode) and id(node) not in seen:
             for key_node, value_node in node.value:
                 path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
                 lines[path] = key_node.start_mark.line + 1
-                walk(value_node, path)
+                walk(value_node, path, seen | {id(node)})
 
     try:
-        walk(yaml.compose(text), "")
+        walk(compose_yaml(text), "", frozenset())
     except yaml.YAMLError:
         pass
     return lines
+
+
+CANDIDATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+"""What a candidate name may be (as :class:`regress.records.CandidateSpec` checks it): a safe
+path component, since names become directories (runs/<name>, scores/<name>, reports/<name>)."""
+
+
+def check_candidate_name(name: str, *, what: str = "candidate name") -> str:
+    """``name`` if it is a valid candidate name, else an :class:`~regress.errors.InputError`
+    (exit 2): ``../../etc`` must never become a path under scores/ or reports/."""
+    from regress.errors import InputError
+
+    if not CANDIDATE_NAME.fullmatch(name):
+        raise InputError(f"{what} {name!r} is not a candidate name: letters, digits, '-' and '_', "
+                         "starting with a letter or digit, at most 100 characters")
+    return name
 
 
 def line_for(lines: dict[str, int], dotted: str) -> int | None:

@@ -9,21 +9,30 @@ import sys
 import time
 from pathlib import Path
 
+TEST_KEY = "regress-test-broker-key-0123456789abcdef"
+"""The signing key the tests' orchestrators, watchers and workers share."""
+KEY_ENV = {"REGRESS_BROKER_KEY": TEST_KEY}
+"""Environment that gives a process the tests' signing key."""
+
 
 class WorkerProcess:
     """One `regress worker` subprocess in its own process group, logging to a file."""
 
     def __init__(self, cwd: Path, *, broker_url: str, queue: str, name: str, log: Path,
-                 visibility_timeout_s: float = 3600):
+                 visibility_timeout_s: float = 3600, key: str | None = TEST_KEY, extra_args: tuple[str, ...] = ()):
         self.cwd, self.queue, self.name, self.log = cwd, queue, name, log
-        self.env = {**os.environ, "REGRESS_BROKER_URL": broker_url,
-                    "REGRESS_VISIBILITY_TIMEOUT_S": str(visibility_timeout_s)}
+        self.extra_args = extra_args
+        self.env = {k: v for k, v in os.environ.items() if k not in ("REGRESS_BROKER_KEY", "REGRESS_BROKER_KEY_FILE")}
+        self.env.update({"REGRESS_BROKER_URL": broker_url, "REGRESS_VISIBILITY_TIMEOUT_S": str(visibility_timeout_s)})
+        if key is not None:
+            self.env["REGRESS_BROKER_KEY"] = key
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, *, wait_ready_s: float = 60) -> "WorkerProcess":
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "regress.cli", "worker", "--queue", self.queue, "--name", self.name],
+                [sys.executable, "-m", "regress.cli", "worker", "--queue", self.queue, "--name", self.name,
+                 *self.extra_args],
                 cwd=self.cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + wait_ready_s

@@ -4,7 +4,8 @@ the tests run them exactly as written:
 - README.md: the ``dvc exp run ...`` line of its fenced ``bash`` block ("Checking a new release
   is one command");
 - .github/workflows/regression.yml: the ``run:`` script of the step that calls ``dvc exp run``
-  (it takes the package and version from the environment: DISPATCH_PACKAGE, DISPATCH_VERSION);
+  (its input check takes the package and version from the environment: DISPATCH_PACKAGE,
+  DISPATCH_VERSION, and hands the validated requirement to the step as REQUIREMENT);
 - docs/watch.md: the example ``watch.check_command``.
 
 ``run_readme_command`` and ``run_workflow_command`` run them in a DVC project with another
@@ -17,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -102,13 +104,31 @@ def run_readme_command(cwd: Path, package: str, version: str, *, env: dict[str, 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def validation_step() -> dict:
+    """The step of regression.yml that checks the dispatch inputs (id ``inputs``)."""
+    data = yaml.safe_load(WORKFLOW.read_text(encoding="utf-8"))
+    steps = [step for job in data["jobs"].values() for step in job.get("steps", []) if step.get("id") == "inputs"]
+    return _the_one(steps, "step with id 'inputs' in regression.yml")
+
+
 def run_workflow_command(cwd: Path, package: str, version: str, *, env: dict[str, str] | None = None,
                          timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run regression.yml's step script as the runner does (``shell: bash``), with only what the
-    workflow takes from its inputs set: DISPATCH_PACKAGE and DISPATCH_VERSION."""
-    step = workflow_step()
-    assert step.get("shell", "bash") == "bash", step.get("shell")
+    """Run regression.yml's two steps as the runner does (``shell: bash``): the input check with
+    only what the workflow takes from its inputs (DISPATCH_PACKAGE, DISPATCH_VERSION), then the
+    ``dvc exp run`` step with the check's output where the workflow maps it (REQUIREMENT)."""
+    check, step = validation_step(), workflow_step()
+    assert step.get("shell", "bash") == "bash" and check.get("shell", "bash") == "bash"
+    assert step["env"]["REQUIREMENT"] == "${{ steps.inputs.outputs.requirement }}", step["env"]
     inputs = {"DISPATCH_PACKAGE": package, "DISPATCH_VERSION": version}
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "github_output"
+        output.write_text("")
+        checked = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", check["run"]], cwd=cwd,
+                                 env=command_env({**(env or {}), **inputs, "GITHUB_OUTPUT": str(output)}),
+                                 capture_output=True, text=True, timeout=timeout)
+        if checked.returncode != 0:
+            return checked
+        outputs = dict(line.split("=", 1) for line in output.read_text().splitlines() if "=" in line)
     return subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]], cwd=cwd,
-                          env=command_env({**(env or {}), **inputs}), capture_output=True, text=True,
-                          timeout=timeout)
+                          env=command_env({**(env or {}), "REQUIREMENT": outputs.get("requirement", "")}),
+                          capture_output=True, text=True, timeout=timeout)

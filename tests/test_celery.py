@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import redis
 import yaml
-from celery_workers import WorkerProcess
+from celery_workers import KEY_ENV, TEST_KEY, WorkerProcess
 from conftest import run_cli
 from redis_process import RedisServer, free_port
 
@@ -48,7 +49,7 @@ def assert_same_results(a: Path, b: Path) -> None:
 def start_replay(workspace: Path, out: str, *, broker_url: str, queue: str, extra_env: dict[str, str] | None = None,
                  log: Path) -> subprocess.Popen[str]:
     """`regress replay same --executor celery` in the background (the orchestrator)."""
-    env = {**os.environ, "REGRESS_BROKER_URL": broker_url, **(extra_env or {})}
+    env = {**os.environ, "REGRESS_BROKER_URL": broker_url, **KEY_ENV, **(extra_env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "regress.cli", "replay", "same", "--executor", "celery", "--queue", queue,
          "--out", out],
@@ -127,7 +128,7 @@ def test_a_bad_broker_url_in_params_names_file_line_and_field(tmp_path):
 def test_an_unreachable_broker_is_a_clear_error(workspace, golden_dir):
     url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"  # nothing listens there
     result = run_cli("replay", "same", "--executor", "celery", "--out", "runs/no-broker", cwd=workspace,
-                     env={"REGRESS_BROKER_URL": url}, timeout=120)
+                     env={"REGRESS_BROKER_URL": url, **KEY_ENV}, timeout=120)
     assert result.returncode == 3, result.stderr
     message = " ".join(result.stderr.split())
     assert f"cannot reach the broker redis://:***@127.0.0.1:{url.rsplit(':', 1)[1].split('/')[0]}/0" in message
@@ -137,7 +138,7 @@ def test_an_unreachable_broker_is_a_clear_error(workspace, golden_dir):
 def test_without_a_worker_the_run_fails_loudly_naming_the_shards(workspace, golden_dir, redis_server, tmp_path):
     queue = f"nobody-{uuid.uuid4().hex[:6]}"
     result = run_cli("replay", "same", "--executor", "celery", "--queue", queue, "--out", "runs/unserved",
-                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, "REGRESS_STALL_TIMEOUT_S": "3"})
+                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, "REGRESS_STALL_TIMEOUT_S": "3", **KEY_ENV})
     assert result.returncode == 3, result.stderr
     assert "unfinished shard(s): 0, 1, 2" in result.stderr and f"regress worker --queue {queue}" in result.stderr
     assert not (workspace / "runs" / "unserved").exists()  # never a run that looks complete
@@ -193,7 +194,7 @@ def test_a_pickle_message_is_refused(main_worker, redis_server, tmp_path):
 @pytest.mark.engine
 def test_celery_results_are_identical_to_the_local_executor(workspace, same_run, main_worker, redis_server):
     result = run_cli("replay", "same", "--executor", "celery", "--queue", "main", "--out", "runs/same-celery",
-                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url})
+                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, **KEY_ENV})
     assert result.returncode == 0, result.stderr + main_worker.text()[-3000:]
     assert "40/40" in result.stderr  # progress while waiting for the workers
     assert_same_results(workspace / "runs" / "same", workspace / "runs" / "same-celery")
@@ -212,7 +213,7 @@ def test_failed_shards_are_named_and_the_run_is_not_written(workspace, golden_di
     params["candidates"] = {"broken": {"engine_args": {"bogus_engine_arg": 1}}}
     (workspace / "params-broken.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     result = run_cli("replay", "broken", "-p", "params-broken.yaml", "--executor", "celery", "--queue", "main",
-                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url})
+                     cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, **KEY_ENV})
     assert result.returncode == 3, result.stderr
     assert "3 of 3 shard(s) of 'broken' failed" in result.stderr
     for index in range(3):
@@ -308,7 +309,7 @@ def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
-def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path):
+def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path, monkeypatch):
     """rediss:// end to end: the orchestrator's app sends a shard task over TLS, a real worker
     takes it and answers through the TLS result backend (the shard is already on disk, so the
     worker only checks it: no engine needed)."""
@@ -325,16 +326,73 @@ def test_a_worker_answers_over_tls(workspace, golden_dir, tmp_path):
     url = f"rediss://127.0.0.1:{port}/0"
     worker = WorkerProcess(workspace, broker_url=url, queue="tls", name="tls@test", log=tmp_path / "worker.log")
     worker.env["REGRESS_REDIS_CA_CERTS"] = str(ca)
+    partial = workspace / "runs" / f"tls-{uuid.uuid4().hex[:6]}.partial"
     try:
         worker.start()
+        monkeypatch.setenv("REGRESS_BROKER_KEY", TEST_KEY)  # the app signs what it sends
         app = make_app(CelerySettings(broker_url=url, ssl_ca_certs=str(ca)), with_tasks=False)
-        done = shard_file(golden_dir, 0)
+        # A run being built (plan.json holds its run id) whose shard 0 is already done.
+        meta = read_shard_meta(shard_file(golden_dir, 0))
+        (partial / "shards").mkdir(parents=True)
+        (partial / "plan.json").write_text(json.dumps({"fingerprint": "x", "run_id": meta["run_id"]}))
+        done = shard_file(partial, 0)
+        shutil.copyfile(shard_file(golden_dir, 0), done)
         golden = load_run(golden_dir)
-        message = ShardRequest(index=0, prompts=[], teacher_force=None, out=str(done),
-                               meta={"fingerprint": read_shard_meta(done)["fingerprint"]})
+        message = ShardRequest(index=0, prompts=[], teacher_force=None, out=str(done.resolve()),
+                               meta={"fingerprint": meta["fingerprint"], "run_id": meta["run_id"]})
         payload = {"candidate": golden.manifest.candidate.model_dump(mode="json"), "message": message.to_dict()}
         reply = app.send_task(TASK_REPLAY_SHARD, args=[payload], queue="tls").get(timeout=60)
         assert reply["skipped"] is True and reply["index"] == 0
     finally:
         worker.kill()
         server.stop()
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+@pytest.mark.engine
+def test_an_orchestrator_killed_mid_run_resumes_and_force_starts_over(workspace, same_run, redis_server, tmp_path):
+    """SIGKILL the orchestrator while shards are queued: the worker finishes them anyway; the
+    same command run again finds every shard done and completes the run (every prompt once,
+    token for token the local executor's). ``--force`` then really starts over."""
+    queue = f"resume-{uuid.uuid4().hex[:6]}"
+    worker = WorkerProcess(workspace, broker_url=redis_server.url, queue=queue, name="resume@test",
+                           log=tmp_path / "worker.log")
+    orchestrator = start_replay(workspace, "runs/resumed", broker_url=redis_server.url, queue=queue,
+                                log=tmp_path / "replay.log")
+    partial = workspace / "runs" / "resumed.partial"
+    try:
+        client = redis.Redis.from_url(redis_server.url)
+        # Every shard queued and no worker yet: the orchestrator dies with all of them in flight.
+        wait_for(lambda: client.llen(queue) == 3, 120, "the three shards queued")
+        orchestrator.kill()
+        orchestrator.wait(timeout=30)
+        run_id = json.loads((partial / "plan.json").read_text())["run_id"]
+        worker.start()
+        wait_for(lambda: len(list((partial / "shards").glob("*.shard"))) == 3, 300, "the worker to finish the shards",
+                 poll_s=0.5)
+        result = run_cli("replay", "same", "--executor", "celery", "--queue", queue, "--out", "runs/resumed",
+                         cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, **KEY_ENV})
+        assert result.returncode == 0, result.stderr + worker.text()[-3000:]
+        run = load_run(workspace / "runs" / "resumed")
+        assert run.manifest.run_id == run_id  # the interrupted run, completed
+        assert [g.prompt_id for g in run] == [g.prompt_id for g in load_run(workspace / "runs" / "same")]
+        assert_same_results(workspace / "runs" / "same", workspace / "runs" / "resumed")
+        assert worker.text().count("succeeded") == 3  # nothing was sent again
+        assert run.manifest.timings.engine_loads == 1 and run.manifest.versions.vllm
+        assert not (workspace / "runs" / "resumed" / "engine-facts").exists()
+
+        # --force: a new run id; a queued shard of the old attempt is dropped, not written.
+        forced = run_cli("replay", "same", "--executor", "celery", "--queue", queue, "--out", "runs/resumed",
+                         "--force", cwd=workspace, env={"REGRESS_BROKER_URL": redis_server.url, **KEY_ENV})
+        assert forced.returncode == 0, forced.stderr + worker.text()[-3000:]
+        again = load_run(workspace / "runs" / "resumed")
+        assert again.manifest.run_id != run_id and worker.text().count("succeeded") == 6
+        # Token ids only: the worker's engine is warm now, and prefix-cache hits move logprobs in
+        # the last digits (batch-variant drift, not a leak between attempts).
+        same = load_run(workspace / "runs" / "same")
+        assert [g.prompt_id for g in again] == [g.prompt_id for g in same]
+        for g in same:
+            assert np.array_equal(g.output_token_ids, again[g.prompt_id].output_token_ids), g.prompt_id
+    finally:
+        orchestrator.kill()
+        worker.kill()

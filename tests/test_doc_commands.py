@@ -70,8 +70,8 @@ def _assert_saw(root: Path, result: subprocess.CompletedProcess[str], requiremen
 def test_the_commands_are_found():
     assert readme_command().startswith("dvc exp run --set-param")
     assert workflow_command().startswith("dvc exp run --set-param")
-    # Inputs reach the script through the environment only.
-    assert "$DISPATCH_PACKAGE" in workflow_command() and "$DISPATCH_VERSION" in workflow_command()
+    # Inputs reach the script through the environment only, and only once validated.
+    assert "$REQUIREMENT" in workflow_command() and "${{" not in workflow_command()
 
 
 def test_readme_new_release_command_runs_the_experiment(project):

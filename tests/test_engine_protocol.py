@@ -197,11 +197,12 @@ def test_a_replay_whose_engine_garbles_a_shard_reply_fails_with_an_engine_error(
 
 
 def test_a_celery_task_with_a_malformed_shard_message_fails_naming_the_field():
-    from regress.errors import ShardFailed
+    from regress.errors import MessageRefused
     from regress.worker.tasks import run_shard
 
+    # Refused, not failed: a message that does not follow the protocol is never run or retried.
     payload = {"candidate": _candidate().model_dump(mode="json"), "message": {"index": 0, "out": "/nowhere"}}
-    with pytest.raises(ShardFailed) as info:
+    with pytest.raises(MessageRefused) as info:
         run_shard(payload, worker="w1")
     assert str(info.value).startswith("worker w1: candidate 'garbled': malformed task: shard message: no 'protocol'")
 

@@ -80,12 +80,25 @@ def _flip(path: Path, where: float, count: int = 8) -> None:
     path.write_bytes(bytes(data))
 
 
+def _drop_shard_hashes(run_dir: Path) -> None:
+    """Make the manifest look like one written before shard files were recorded."""
+    manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+    del manifest["shard_files"]
+    (run_dir / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+
+@pytest.mark.parametrize("hashed", [True, False], ids=["hashed", "old-manifest"])
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "not a zip", "inconsistent"])
-def test_a_corrupted_shard_exits_2_naming_the_file(scored_project: Path, damage: str):
+def test_a_corrupted_shard_is_an_error_naming_the_file(scored_project: Path, damage: str, hashed: bool):
+    """The manifest records each shard's sha256, checked before parsing: any change is an
+    integrity failure (exit 3). A manifest from before shard hashes: the parser's checks catch
+    the damage, a storage error (exit 2)."""
     from regress.runs import shard_file
     from regress.storage import read_shard, write_shard
 
     shard = shard_file(scored_project / "golden", 1)
+    if not hashed:
+        _drop_shard_hashes(scored_project / "golden")
     if damage == "flipped":
         _flip(shard, 0.3)  # inside the first compressed member: zlib or CRC damage
     elif damage == "truncated":
@@ -98,17 +111,22 @@ def test_a_corrupted_shard_exits_2_naming_the_file(scored_project: Path, damage:
         arrays["output_offsets"] = arrays["output_offsets"][:-1]
         write_shard(shard, meta, arrays)
     result = cli("score", "candidate", "--no-report", cwd=scored_project, home=scored_project / "home")
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == (3 if hashed else 2), result.stderr
     assert "error: golden/shards/shard-00001.shard: " in one_line(result.stderr)  # relative, as params.yaml is
+    if hashed:
+        assert "is not the file the run recorded" in one_line(result.stderr)
     assert "Traceback" not in result.stderr
     assert not (scored_project / "scores" / "candidate").exists()
 
 
 def test_any_damage_to_a_shard_is_a_storage_error(scored_project: Path):
     """Flip random bytes of a shard many times: reading the run either succeeds (a byte nobody
-    reads) or raises StorageError naming the file; never zlib.error, KeyError, ValueError..."""
+    reads) or raises StorageError naming the file; never zlib.error, KeyError, ValueError...
+    The parser's own robustness: the manifest has no shard hashes (they would catch every flip
+    first, see the next test)."""
     from regress.runs import load_run, shard_file
 
+    _drop_shard_hashes(scored_project / "runs" / "candidate")
     shard = shard_file(scored_project / "runs" / "candidate", 0)
     original = shard.read_bytes()
     rng = np.random.default_rng(0)
@@ -127,6 +145,21 @@ def test_any_damage_to_a_shard_is_a_storage_error(scored_project: Path):
             assert str(shard) in str(exc)
             outcomes["storage"] += 1
     assert outcomes["storage"] > 100
+
+
+def test_any_change_to_a_hashed_shard_is_an_integrity_error(scored_project: Path):
+    from regress.errors import IntegrityError
+    from regress.runs import load_run, shard_file
+
+    shard = shard_file(scored_project / "runs" / "candidate", 0)
+    original = shard.read_bytes()
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        data = bytearray(original)
+        data[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
+        shard.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match=re.escape(str(shard))):
+            load_run(scored_project / "runs" / "candidate")
 
 
 def test_an_unreadable_manifest_is_a_storage_error(scored_project: Path):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import pytest
 import yaml
+from celery_workers import KEY_ENV, TEST_KEY
 from pep691_index import LocalIndex, Recorder
 
 from regress.watch.state import RedisState
@@ -91,7 +92,10 @@ def test_beat_fires_the_tick_and_the_worker_checks_each_new_version_once(tmp_pat
         home, cwd = tmp_path / "home", tmp_path / "cwd"
         cwd.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("REGRESS_", "CELERY_"))}
-        env.update({"REGRESS_BROKER_URL": broker, "REGRESS_HOME": str(home), "PYTHONPATH": str(Path.cwd())})
+        # Beat signs its ticks, the worker checks them; the worker's own params file is where its
+        # watch tasks take the check command, state and webhook from.
+        env.update({"REGRESS_BROKER_URL": broker, "REGRESS_HOME": str(home), "PYTHONPATH": str(Path.cwd()),
+                    **KEY_ENV, "REGRESS_WATCH_PARAMS": str(params)})
         logs = [tmp_path / "worker.log", tmp_path / "beat.log"]
         processes.start([sys.executable, "-m", "celery", "-A", "regress.worker.app", "worker", "--pool", "solo",
                          "-Q", queue, "-n", f"{queue}@localhost", "--without-gossip", "--without-mingle",
@@ -161,6 +165,7 @@ def test_a_broker_that_is_down_leaves_the_version_for_the_next_tick(tmp_path, mo
         index.add(PKG, "1.0")
         index.add(PKG, "1.1")
         monkeypatch.setenv("REGRESS_BROKER_URL", f"redis://127.0.0.1:{free_port()}/0")
+        monkeypatch.setenv("REGRESS_BROKER_KEY", TEST_KEY)
         params = tmp_path / "params.yaml"
         params.write_text(yaml.safe_dump({
             "dataset": "d.jsonl", "baseline": {"package": f"{PKG}==1.0", "model": "m"},

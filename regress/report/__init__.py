@@ -8,7 +8,12 @@
     reports/<candidate>/junit.xml      a test case per prompt, a failure per regression
     reports/<candidate>/summary.md     Markdown for a CI job summary or a PR comment
 
-Every file is written atomically. See docs/report.md for what each part of the page shows.
+Every file is written atomically. The files of one candidate are not replaced all at once, so
+each names the scoring it was made from: ``index.html``, ``junit.xml`` and ``summary.md`` end
+with a comment ``<!-- regress-scoring: ID -->`` (:func:`regress.scoring.scoring_id`) and
+``metrics.json`` is exactly that scoring's aggregates; ``metrics.json`` is written last.
+:func:`check_report` tells a report left half-rewritten by a crash from a whole one. See
+docs/report.md for what each part of the page shows.
 """
 
 from __future__ import annotations
@@ -42,13 +47,47 @@ def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, 
     from regress.report.render import render_candidate
     from regress.report.summary import summary_markdown
 
+    from regress.scoring import scoring_id
+
     out = Path(out_dir)
     page = out / INDEX_FILE
+    # A comment after the content: invisible in the page, the rendered summary and junit readers.
+    trailer = f"\n{_TRAILER_START}{scoring_id(score)} -->\n"
+    atomic_write_text(out / JUNIT_FILE, junit_xml(score).rstrip("\n") + trailer)
+    atomic_write_text(out / SUMMARY_FILE, summary_markdown(score, report_link).rstrip("\n") + "\n" + trailer)
+    atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link).rstrip("\n")
+                      + trailer)
     atomic_write_text(out / METRICS_FILE, score.metrics.model_dump_json(indent=2))
-    atomic_write_text(out / JUNIT_FILE, junit_xml(score))
-    atomic_write_text(out / SUMMARY_FILE, summary_markdown(score, report_link))
-    atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link))
     return page
+
+
+_TRAILER_START = "<!-- regress-scoring: "
+
+
+def check_report(score: ScoredRun, out_dir: str | Path) -> None:
+    """Raise :class:`~regress.errors.StorageError` naming the first file of the candidate report
+    in ``out_dir`` that is not of ``score``'s scoring (missing, from an earlier scoring, or
+    written before reports named their scoring)."""
+    from regress.errors import StorageError
+    from regress.scoring import check_metrics_beside, scoring_id
+
+    out = Path(out_dir)
+    expected = f"{_TRAILER_START}{scoring_id(score)} -->"
+    for name in (JUNIT_FILE, SUMMARY_FILE, INDEX_FILE):
+        path = out / name
+        try:
+            with open(path, "rb") as fh:  # the trailer is in the last bytes; pages can be large
+                fh.seek(max(0, path.stat().st_size - 200))
+                tail = fh.read().decode("utf-8", "replace")
+        except OSError as exc:
+            raise StorageError(f"{path}: the report is incomplete ({exc.strerror or exc}); run `regress report`") from exc
+        if expected not in tail:
+            raise StorageError(f"{path}: not of the scoring in scores.json (an interrupted or older report); "
+                               "run `regress report` again")
+    if not (out / METRICS_FILE).is_file():
+        raise StorageError(f"{out / METRICS_FILE}: the report is incomplete; run `regress report`")
+    check_metrics_beside(score, out / METRICS_FILE, "not of the scoring in scores.json (an interrupted or older "
+                         "report); run `regress report` again")
 
 
 def write_index(reports: list[tuple[ScoredRun, str]], out_dir: str | Path) -> Path:
@@ -103,5 +142,5 @@ def refresh_index(reports_dir: str | Path, scores_dir: str | Path | None = None)
     return write_index([(r, f"{d.name}/{INDEX_FILE}") for r, d in zip(reports, found)], reports_dir)
 
 
-__all__ = ["write_candidate_report", "write_index", "refresh_index", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
+__all__ = ["write_candidate_report", "check_report", "write_index", "refresh_index", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
            "JUNIT_FILE", "SUMMARY_FILE"]

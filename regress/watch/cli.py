@@ -48,6 +48,8 @@ def _print_tick(tick: Any) -> None:
         if skipped:
             line += f" ({', '.join(skipped)} skipped)"
         _echo(line)
+        for note in package.notes:
+            _echo(f"  note: {note}")
         if package.first_watch:
             recorded = "would be recorded" if tick.dry_run else "recorded"
             _echo(f"  first watch: {package.recorded_seen} release(s) {recorded} as seen, not checked"
@@ -84,10 +86,10 @@ def _print_history(records: list[Any]) -> None:
 def watch(
     params: Path = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline and its watch: section)."),
     package: Optional[list[str]] = typer.Option(None, "--package", help="Package to watch (repeatable; default: watch.packages, else the baseline's package)."),
-    index_url: Optional[str] = typer.Option(None, "--index-url", help="Package index (simple API root; default: the one pip is configured to use)."),
+    index_url: Optional[str] = typer.Option(None, "--index-url", help="Package index (simple API root; default: REGRESS_INDEX_URL, else the one pip is configured to use). Visible in ps: put credentials in REGRESS_INDEX_URL(_FILE)."),
     trigger: Optional[str] = typer.Option(None, "--trigger", "-t", help="How checks start: local, celery or github (default: watch.trigger, else local)."),
-    state: Optional[str] = typer.Option(None, "--state", help="State file path or redis:// URL (default: watch.state, else $REGRESS_HOME/watch/state.json)."),
-    webhook: Optional[str] = typer.Option(None, "--webhook", help="URL that gets a JSON POST on a regression."),
+    state: Optional[str] = typer.Option(None, "--state", help="State file path or redis:// URL (default: REGRESS_WATCH_STATE_URL, else watch.state, else $REGRESS_HOME/watch/state.json). Visible in ps: put a password in REGRESS_WATCH_STATE_URL(_FILE)."),
+    webhook: Optional[str] = typer.Option(None, "--webhook", help="URL that gets a JSON POST on a regression (default: REGRESS_WEBHOOK_URL, else watch.webhook). Visible in ps: prefer REGRESS_WEBHOOK_URL(_FILE)."),
     include_prereleases: Optional[bool] = typer.Option(None, "--include-prereleases", help="Check pre-releases too.", show_default=False),
     include_yanked: Optional[bool] = typer.Option(None, "--include-yanked", help="Check yanked releases too.", show_default=False),
     check_existing: bool = typer.Option(False, "--check-existing", help="First watch of a package: check every release already there (default: record them as seen)."),
@@ -180,6 +182,7 @@ def _run_beat(config: Any, overrides: dict[str, Any]) -> int:
     from regress.watch.triggers import require_celery
 
     require_celery()
+    _refuse_secrets_in_schedule(overrides)
     from regress.watch.state import default_state_path
     from regress.watch.tasks import install_beat_schedule
     from regress.worker.app import app, configure
@@ -195,6 +198,24 @@ def _run_beat(config: Any, overrides: dict[str, Any]) -> int:
           f"on {settings.describe()}; schedule file {schedule_file}")
     app.Beat(schedule=str(schedule_file), loglevel="INFO", max_interval=min(60.0, entry["schedule"])).run()
     return 0
+
+
+def _refuse_secrets_in_schedule(overrides: dict[str, Any]) -> None:
+    """Beat puts its overrides in every tick message and in its schedule file: a secret given
+    as a flag would be copied to the broker and to disk. The workers read it from their own
+    environment instead (the tick task loads the configuration there)."""
+    from regress.errors import ConfigError
+    from regress.redact import has_credentials
+    from regress.watch.config import SECRET_SETTINGS
+
+    for field, variable in SECRET_SETTINGS.items():
+        value = overrides.get(field)
+        # A webhook URL is a secret as a whole (its path); the others when they hold credentials.
+        if value is not None and (field == "webhook" or has_credentials(str(value))):
+            option = "--" + field.replace("_", "-")
+            raise ConfigError(f"{option} would be written into every tick message and beat's schedule file; "
+                              f"set {variable} (or {variable}_FILE) in the workers' environment instead",
+                              field=option)
 
 
 def register(app: typer.Typer) -> None:

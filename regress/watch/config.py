@@ -11,7 +11,13 @@ Example::
       github: {repo: my-org/my-repo}
 
 Validation errors name params.yaml, the line and the field (``watch.interval_s``); a bad
-command-line value names the option instead.
+command-line value names the option instead, a bad environment value its variable.
+
+Secrets (a password in the state's Redis URL, credentials in the index URL, the webhook URL
+whose path is its secret) can come from the environment instead of params.yaml or a flag
+(flags are visible to every user in ``ps``): :data:`SECRET_SETTINGS` maps each setting to its
+variable, and ``<VARIABLE>_FILE`` names a file holding the value. Precedence: flag, then
+environment, then params.yaml. Values are never echoed in errors unredacted.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from regress.errors import ConfigError
+from regress.redact import origin, redact, secret_from_environment
 from regress.validation import first_error, line_for, yaml_key_lines
 from regress.worker.settings import REDIS_SCHEMES
 
@@ -39,10 +46,20 @@ _OPTIONS = {"packages": "--package", "interval_s": "--interval", "first_run": "-
 # PEP 508 project names.
 _PROJECT_NAME = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNORECASE)
 
+SECRET_SETTINGS = {
+    "state": "REGRESS_WATCH_STATE_URL",
+    "index_url": "REGRESS_INDEX_URL",
+    "webhook": "REGRESS_WEBHOOK_URL",
+}
+"""Settings that may hold a secret, and the environment variable (or ``<VARIABLE>_FILE``)
+that sets each one without a flag or a line in params.yaml."""
 
-def _http_url(value: str | None) -> str | None:
+
+def _http_url(value: str | None, *, secret_path: bool = False) -> str | None:
     if value is not None and urlsplit(value).scheme not in ("http", "https"):
-        raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        # A webhook's path is its secret: show no more than its origin.
+        shown = origin(value) if secret_path else redact(value)
+        raise ValueError(f"must be an http:// or https:// URL, got {shown!r}")
     return value
 
 
@@ -119,14 +136,25 @@ class WatchSettings(BaseModel):
     """A check started this long ago without a verdict (its watcher or worker died, its task was
     lost) is started again. Must exceed the longest check, including waiting in the queue."""
     timeout_s: float = Field(30, gt=0)
-    """Timeout of one request to the index, the webhook or GitHub."""
+    """Timeout of one network operation (connect, one read) with the index, the webhook or GitHub."""
+    deadline_s: float = Field(120, gt=0)
+    """Longest time one whole request to the index, the webhook or GitHub may take, redirects
+    included: a server that trickles its answer is cut off here (exit 3 for that package)."""
+    max_index_mib: float = Field(32, gt=0, le=1024)
+    """Largest index answer (one project page) read, in MiB. vLLM's page is a few MiB; a larger
+    answer is an error for that package only."""
     github: GitHubSettings = Field(default_factory=GitHubSettings)
     """Settings of the ``github`` trigger."""
 
-    @field_validator("webhook", "index_url")
+    @field_validator("index_url")
     @classmethod
-    def _urls(cls, value: str | None) -> str | None:
+    def _index_url(cls, value: str | None) -> str | None:
         return _http_url(value)
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook(cls, value: str | None) -> str | None:
+        return _http_url(value, secret_path=True)
 
     @field_validator("packages")
     @classmethod
@@ -154,7 +182,7 @@ class WatchSettings(BaseModel):
     @classmethod
     def _state(cls, value: str | None) -> str | None:
         if value is not None and "://" in value and urlsplit(value).scheme not in (*REDIS_SCHEMES, "file"):
-            raise ValueError(f"must be a file path or a redis://, rediss:// or unix:// URL, got {value!r}")
+            raise ValueError(f"must be a file path or a redis://, rediss:// or unix:// URL, got {redact(value)!r}")
         return value
 
     @field_validator("check_command")
@@ -180,31 +208,48 @@ class WatchConfig:
     """The template candidate's package requirement (None when it runs in the current environment)."""
 
 
-def load_watch_config(params_path: str | Path, overrides: dict[str, Any] | None = None) -> WatchConfig:
-    """Load params.yaml, validate its ``watch:`` section with ``overrides`` (command-line values,
-    keyed by field name; ``None`` values are ignored) on top."""
+def secrets_from_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The :data:`SECRET_SETTINGS` the environment sets (``VARIABLE`` or ``VARIABLE_FILE``)."""
+    found = {}
+    for field, variable in SECRET_SETTINGS.items():
+        value = secret_from_environment(variable, environ)
+        if value is not None:
+            found[field] = value
+    return found
+
+
+def load_watch_config(params_path: str | Path, overrides: dict[str, Any] | None = None, *,
+                      environ: dict[str, str] | None = None) -> WatchConfig:
+    """Load params.yaml, validate its ``watch:`` section with the secrets the environment sets
+    and ``overrides`` (command-line values, keyed by field name; ``None`` values are ignored)
+    on top."""
     from regress.config import load_params
 
     path = Path(params_path).resolve()
     params = load_params(path)
     file_values = dict(params.watch)
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
-    merged = {**file_values, **given}
+    from_environment = {k: v for k, v in secrets_from_environment(environ).items() if k not in given}
+    merged = {**file_values, **from_environment, **given}
     if isinstance(file_values.get("github"), dict) and isinstance(given.get("github"), dict):
         merged["github"] = {**file_values["github"], **given["github"]}
     try:
         settings = WatchSettings.model_validate(merged)
     except ValidationError as exc:
         where, message = first_error(exc, WatchSettings)
+        message = redact(message)
         top = (where or "").split(".")[0]
         if top in given:
             option = _OPTIONS.get(top, f"--{top.replace('_', '-')}")
             raise ConfigError(message, field=option) from exc
+        if top in from_environment:
+            raise ConfigError(message, field=SECRET_SETTINGS[top]) from exc
         dotted = f"watch.{where}" if where else "watch"
         line = line_for(yaml_key_lines(path.read_text(encoding="utf-8")), dotted)
         raise ConfigError(message, file=path, line=line, field=dotted) from exc
 
-    if "state" in file_values and "state" not in given and settings.state and "://" not in settings.state:
+    if ("state" in file_values and "state" not in given and "state" not in from_environment
+            and settings.state and "://" not in settings.state):
         # Like every path in params.yaml: relative to its directory.
         settings = settings.model_copy(update={"state": str(path.parent / Path(settings.state).expanduser())})
     template = params.candidate(settings.template)

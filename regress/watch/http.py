@@ -1,14 +1,46 @@
-"""One JSON POST with a timeout (webhooks, GitHub's API): the only HTTP the watcher sends."""
+"""The watcher's HTTP: the index's GETs and the JSON POSTs (webhooks, GitHub's API).
+
+Every request is bounded three ways, because the answers come from servers regress does not
+control:
+
+- **size**: at most ``max_bytes`` of body are read (a ``Content-Length`` above it is refused
+  before reading); one byte more is an error, never a truncated answer;
+- **time**: ``timeout_s`` per socket operation *and* ``deadline_s`` for the whole exchange,
+  redirects included. A watchdog shuts the socket down at the deadline, so a server that
+  trickles a byte a second (each read well inside the timeout) cannot hold a tick forever;
+- **where credentials go**: credentials (``Authorization``) are sent to the origin (scheme,
+  host, port) they were given for and nowhere else. A GET may follow a redirect within that
+  origin with them, and to another origin without them (what pip does), but never from https
+  to http. A POST never follows a redirect: urllib would re-send it as a GET, or re-send the
+  token to wherever the server points; a 3xx answer to a POST is a failure.
+"""
 
 from __future__ import annotations
 
+import functools
+import http.client
 import json
+import socket
+import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import urljoin, urlsplit
 
-from regress.errors import PostError
+from regress.errors import PostError, RegressError
+from regress.redact import origin as shown_origin
+from regress.redact import redact
+
+MAX_REDIRECTS = 5
+POST_ANSWER_BYTES = 64 * 1024
+"""A webhook's or GitHub's answer is only shown in messages: more is never needed."""
+DEFAULT_DEADLINE_S = 120.0
+
+Failure = Callable[[str], RegressError]
+"""Builds the caller's error from a message (PackageIndexError for the index, PostError for POSTs)."""
 
 
 @dataclass(frozen=True)
@@ -19,16 +51,231 @@ class Answer:
     body: str
 
 
-def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, timeout_s: float = 30) -> Answer:
-    """POST ``payload`` as JSON; raise :class:`PostError` unless the answer is 2xx."""
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode("utf-8"), method="POST",
-        headers={"Content-Type": "application/json", "User-Agent": "regress-watch", **(headers or {})})
+@dataclass(frozen=True)
+class Response:
+    """A whole, bounded answer."""
+
+    status: int
+    reason: str
+    content_type: str
+    body: bytes
+    url: str
+    """The URL that answered (after redirects)."""
+
+
+# --------------------------------------------------------------------------------------
+# The deadline: a watchdog that shuts the sockets of one exchange down
+# --------------------------------------------------------------------------------------
+
+
+class _Watchdog:
+    """Shuts every socket of one exchange down when ``deadline_s`` has passed; the blocked read
+    then returns at once and the exchange fails as too slow."""
+
+    def __init__(self, deadline_s: float):
+        self.deadline = time.monotonic() + deadline_s
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(deadline_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def track(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            self._shut(sock)
+        return sock
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        # The plain socket's shutdown, even on an SSL socket: it acts on the file descriptor
+        # without touching the TLS state another thread is reading through. A socket closed
+        # already has no descriptor (-1), so this never reaches a reused one.
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+
+class _TrackedHTTP(http.client.HTTPConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._create_connection = lambda *a, **k: watchdog.track(socket.create_connection(*a, **k))
+
+
+class _TrackedHTTPS(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._watchdog = watchdog
+        self._create_connection = lambda *a, **k: watchdog.track(socket.create_connection(*a, **k))
+
+    def connect(self) -> None:
+        # HTTPSConnection.connect, with the TLS socket watched *before* its handshake: a
+        # handshake trickled byte by byte is bounded by the deadline too.
+        http.client.HTTPConnection.connect(self)
+        server_hostname = self._tunnel_host or self.host
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=server_hostname,
+                                              do_handshake_on_connect=False)
+        self._watchdog.track(self.sock)
+        self.sock.do_handshake()
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, watchdog: _Watchdog):
+        super().__init__()
+        self._factory = functools.partial(_TrackedHTTP, watchdog=watchdog)
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._factory, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, watchdog: _Watchdog, context: ssl.SSLContext | None):
+        super().__init__(context=context)
+        self._factory = functools.partial(_TrackedHTTPS, watchdog=watchdog)
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._factory, req, context=self._context)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Hands every 3xx back to :func:`fetch` (as an HTTPError), which decides."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# One exchange
+# --------------------------------------------------------------------------------------
+
+
+def _origin_key(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Same scheme, host and port (default ports spelled or not)."""
+    return _origin_key(a) == _origin_key(b)
+
+
+def _read_bounded(answer: Any, max_bytes: int, fail: Failure) -> bytes:
+    length = answer.headers.get("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise fail(f"answer of {int(length):,} bytes is larger than {max_bytes:,} bytes (the limit)")
+    chunks: list[bytes] = []
+    total = 0
+    # read1: one socket read per call, so a trickle cannot keep one call (and the deadline
+    # check of the watchdog's caller) waiting for a whole 64 KiB.
+    read = getattr(answer, "read1", answer.read)
+    while True:
+        chunk = read(65536)
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > max_bytes:
+            raise fail(f"answer larger than {max_bytes:,} bytes (the limit)")
+        chunks.append(chunk)
+
+
+def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, str] | None = None,
+          credentials: dict[str, str] | None = None, data: bytes | None = None, max_bytes: int,
+          timeout_s: float = 30, deadline_s: float = DEFAULT_DEADLINE_S,
+          context: ssl.SSLContext | None = None) -> Response:
+    """One bounded exchange (see the module's docstring). ``credentials`` are headers sent
+    only to ``url``'s origin. Any final status is returned (the caller judges it); transport
+    failures, limits, the deadline and refused redirects raise ``fail(message)``.
+    """
+    watchdog = _Watchdog(deadline_s)
+    opener = urllib.request.build_opener(_NoRedirects(), _HTTPHandler(watchdog), _HTTPSHandler(watchdog, context))
+    first = url
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            return Answer(answer.status, answer.read(65536).decode("utf-8", "replace"))
-    except urllib.error.HTTPError as exc:
-        body = exc.read(2000).decode("utf-8", "replace") if exc.fp else ""
-        raise PostError(f"HTTP {exc.code} {exc.reason}", exc.code, body) from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise PostError(f"unreachable ({getattr(exc, 'reason', exc)})") from exc
+        for _ in range(MAX_REDIRECTS + 1):
+            sent = dict(headers or {})
+            if credentials and same_origin(url, first):
+                sent.update(credentials)
+            request = urllib.request.Request(url, data=data, method=method, headers=sent)
+            try:
+                try:
+                    answer = opener.open(request, timeout=min(timeout_s, max(watchdog.remaining(), 0.001)))
+                except urllib.error.HTTPError as exc:
+                    if exc.fp is None:
+                        raise fail(f"HTTP {exc.code} {exc.reason}") from exc
+                    answer = exc
+                with answer:
+                    status = answer.status if hasattr(answer, "status") else answer.code
+                    location = answer.headers.get("Location")
+                    if 300 <= status < 400 and location and status != 304:
+                        url = _next_hop(url, first, location, status, method, fail)
+                        continue
+                    body = _read_bounded(answer, max_bytes, fail)
+                    if watchdog.expired:
+                        # The shut-down socket reads as a clean end: never take it for the whole answer.
+                        raise fail(f"no complete answer within the deadline of {deadline_s:g} s")
+                    return Response(status, str(getattr(answer, "reason", "")), answer.headers.get_content_type(),
+                                    body, url)
+            except RegressError:
+                raise
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+                if watchdog.expired:
+                    raise fail(f"no complete answer within the deadline of {deadline_s:g} s") from exc
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                raise fail(f"unreachable ({redact(str(reason))})") from exc
+        raise fail(f"more than {MAX_REDIRECTS} redirects")
+    finally:
+        watchdog.stop()
+
+
+def _next_hop(url: str, first: str, location: str, status: int, method: str, fail: Failure) -> str:
+    target = urljoin(url, location.strip())
+    if method != "GET":
+        # urllib would turn a 301/302/303 POST into a GET without the body and follow a
+        # 307/308 to any host with the token: neither is a delivery.
+        raise fail(f"answered HTTP {status} (a redirect to {shown_origin(target)}); "
+                   f"a {method} is never redirected: fix the URL")
+    scheme = urlsplit(target).scheme
+    if scheme not in ("http", "https"):
+        raise fail(f"redirected to a {scheme or 'schemeless'} URL ({redact(target)}), which is not followed")
+    if urlsplit(first).scheme == "https" and scheme == "http":
+        raise fail(f"redirected from https to plain http ({redact(target)}), which is not followed")
+    return target
+
+
+# --------------------------------------------------------------------------------------
+# JSON POST
+# --------------------------------------------------------------------------------------
+
+
+def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, credentials: dict[str, str] | None = None,
+              timeout_s: float = 30, deadline_s: float = DEFAULT_DEADLINE_S,
+              context: ssl.SSLContext | None = None) -> Answer:
+    """POST ``payload`` as JSON; raise :class:`PostError` unless the answer is 2xx (a redirect
+    is not: see the module's docstring). ``credentials`` (an Authorization header) go to
+    ``url``'s origin only."""
+    answer = fetch(
+        url, fail=PostError, method="POST", data=json.dumps(payload).encode("utf-8"),
+        headers={"Content-Type": "application/json", "User-Agent": "regress-watch", **(headers or {})},
+        credentials=credentials, max_bytes=POST_ANSWER_BYTES, timeout_s=timeout_s, deadline_s=deadline_s,
+        context=context)
+    text = answer.body.decode("utf-8", "replace")
+    if not 200 <= answer.status < 300:
+        raise PostError(f"HTTP {answer.status} {answer.reason}".rstrip(), answer.status, redact(text[:2000]))
+    return Answer(answer.status, text)

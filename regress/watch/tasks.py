@@ -8,6 +8,13 @@
   state file on storage every worker sees), writes the history line and posts the webhook.
   A redelivered message whose verdict is already recorded is not checked again.
 
+Nothing a message says is trusted with code, commands or where verdicts go: a worker runs
+watch tasks only for its own params file (``REGRESS_WATCH_PARAMS``, which ``regress worker
+--params`` sets), and takes the check command, the state, the webhook and the template from
+it. A tick may carry only harmless command-line overrides (:data:`MESSAGE_OVERRIDES`); a check
+request whose fields differ from what the worker's own configuration gives for that package and
+version is refused (:class:`~regress.errors.MessageRefused`) before anything runs.
+
 The schedule: :func:`beat_schedule` builds it; ``regress watch --beat`` installs it and runs
 beat with its schedule file under ``$REGRESS_HOME/watch/``. ``celery -A regress.worker.app
 beat`` installs it too when ``REGRESS_WATCH_PARAMS`` names the params file.
@@ -16,12 +23,17 @@ beat`` installs it too when ``REGRESS_WATCH_PARAMS`` names the params file.
 from __future__ import annotations
 
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from celery.utils.log import get_task_logger
 
-from regress.errors import CheckFailed, RegressError
+from regress.errors import CheckFailed, MessageRefused, RegressError
 from regress.worker.app import app
+
+if TYPE_CHECKING:
+    from regress.watch.config import WatchConfig
+    from regress.watch.triggers import CheckRequest
 
 logger = get_task_logger(__name__)
 
@@ -29,6 +41,58 @@ TASK_TICK = "regress.watch.tick"
 TASK_CHECK = "regress.watch.check_release"
 BEAT_ENTRY = "regress-watch-tick"
 PARAMS_VARIABLE = "REGRESS_WATCH_PARAMS"
+MESSAGE_OVERRIDES = frozenset({"interval_s", "since", "include_prereleases", "include_yanked", "first_run"})
+"""Overrides a tick message may carry (``regress watch --beat`` options): none of them chooses a
+command, a state, a webhook, an index or a trigger."""
+
+
+def _own_params(given: str | None, what: str) -> Path:
+    """This worker's params file; :class:`MessageRefused` when it has none or ``given`` is another."""
+    own = os.environ.get(PARAMS_VARIABLE)
+    if not own:
+        raise MessageRefused(f"{what} refused: this worker has no watch configuration ({PARAMS_VARIABLE}, or "
+                             "`regress worker --params`); it never takes one from a message")
+    path = Path(own).expanduser().resolve()
+    if given is not None and Path(str(given)).expanduser().resolve() != path:
+        raise MessageRefused(f"{what} refused: the message names params {given!r}, this worker's is {path}")
+    return path
+
+
+def trusted_request(req: "CheckRequest", config: "WatchConfig") -> "CheckRequest":
+    """The check request this worker's own configuration gives for ``req``'s package and version;
+    :class:`MessageRefused` naming the first field where the message differs."""
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    from regress.watch.state import open_state
+    from regress.watch.triggers import CheckRequest
+    from regress.watch.watcher import candidate_name, requirement_for
+
+    what = f"check of {req.package} {req.version}"
+    if canonicalize_name(req.package) != req.package or req.package not in config.packages:
+        raise MessageRefused(f"{what} refused: package {req.package!r} is not watched by this worker "
+                             f"({', '.join(config.packages)})")
+    try:
+        Version(req.version)
+    except InvalidVersion:
+        raise MessageRefused(f"{what} refused: {req.version!r} is not a version") from None
+    settings = config.settings
+    state = open_state(settings.state)
+    try:
+        state_spec = state.spec()
+    finally:
+        state.close()
+    own = CheckRequest(
+        package=req.package, version=req.version,
+        requirement=requirement_for(req.package, req.version, config.template_requirement),
+        candidate=candidate_name(req.package, req.version), template=settings.template,
+        params=str(config.params_path), state=state_spec, webhook=settings.webhook, notify=settings.notify,
+        check_command=settings.check_command, timeout_s=settings.timeout_s)
+    for field in CheckRequest.model_fields:
+        if getattr(req, field) != getattr(own, field):
+            raise MessageRefused(f"{what} refused: field '{field}' differs from this worker's configuration "
+                                 f"({config.params_path}); a message never chooses it")
+    return own
 
 
 @app.task(name=TASK_TICK)
@@ -39,8 +103,12 @@ def tick(params: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]
     from regress.watch.triggers import LocalTrigger
     from regress.watch.watcher import build_watcher
 
+    extra = sorted(set(overrides or {}) - MESSAGE_OVERRIDES)
+    if extra:
+        raise MessageRefused(f"watch tick refused: a message may not override {', '.join(extra)}")
+    own = _own_params(params, "watch tick")
     try:
-        config = load_watch_config(params, overrides)
+        config = load_watch_config(own, overrides)
         # A check run inside this worker replays its shards here too: sending them to the queue
         # would leave them waiting for the one worker that is busy waiting for them.
         local = LocalTrigger(use_params_executor=False) if config.settings.trigger == "local" else None
@@ -66,7 +134,20 @@ def check_release(request: dict[str, Any]) -> dict[str, Any]:
     from regress.watch.triggers import CheckRequest, LocalTrigger
     from regress.watch.watcher import finish_check, notifier_for
 
-    req = CheckRequest.model_validate(request)
+    from pydantic import ValidationError
+
+    from regress.watch.config import load_watch_config
+
+    try:
+        req = CheckRequest.model_validate(request)
+    except ValidationError as exc:
+        raise MessageRefused(f"check request refused: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+    own = _own_params(req.params, f"check of {req.package} {req.version}")
+    try:
+        config = load_watch_config(own)
+    except RegressError as exc:
+        raise CheckFailed(f"{req.requirement}: this worker's watch configuration: {exc}") from None
+    req = trusted_request(req, config)
     state = open_state(req.state)
     try:
         current = state.get(req.package, req.version)

@@ -137,7 +137,9 @@ class LocalTrigger(Trigger):
 def release_candidate(params: Any, request: CheckRequest) -> Any:
     """The candidate a release is checked as: the template with its package (and name) replaced."""
     template = params.candidate(request.template)
-    return template.model_copy(update={"name": request.candidate, "package": request.requirement})
+    # model_validate, not model_copy(update=...): the new name and package get params.yaml's checks.
+    return type(template).model_validate({**template.model_dump(), "name": request.candidate,
+                                          "package": request.requirement})
 
 
 def run_check_command(request: CheckRequest) -> TriggerOutcome:
@@ -179,9 +181,9 @@ class CeleryTrigger(Trigger):
 
     def start(self, request: CheckRequest) -> TriggerOutcome:
         from regress.watch.tasks import TASK_CHECK
-        from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, make_app
+        from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, sending_app
 
-        app = make_app(self.settings, with_tasks=False)
+        app = sending_app(self.settings)  # signs what it sends; no key is a ConfigError
         task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"
         try:
             ensure_broker(app, self.settings.describe())
@@ -201,20 +203,29 @@ class CeleryTrigger(Trigger):
 # --------------------------------------------------------------------------------------
 
 TOKEN_VARIABLES = ("REGRESS_GITHUB_TOKEN", "GITHUB_TOKEN")
+"""Where the token comes from (each also as ``<VARIABLE>_FILE``, a file holding it); never a flag."""
 
 
 class GitHubTrigger(Trigger):
-    """Starts the regression workflow through GitHub's REST API (token from the environment)."""
+    """Starts the regression workflow through GitHub's REST API (token from the environment).
+
+    The token is sent to ``api_url``'s origin only, and a redirect of the dispatch is a failure
+    (the version is retried next tick, never recorded as dispatched)."""
 
     name = "github"
 
-    def __init__(self, settings: Any, *, token: str, timeout_s: float = 30):
+    def __init__(self, settings: Any, *, token: str, timeout_s: float = 30, deadline_s: float = 120):
         self.settings = settings
         self.token = token
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
+
+    def __repr__(self) -> str:
+        # Never the token, whatever prints this object.
+        return f"GitHubTrigger(repo={self.settings.repo!r}, mode={self.settings.mode!r})"
 
     @classmethod
-    def from_environment(cls, settings: Any, *, timeout_s: float = 30,
+    def from_environment(cls, settings: Any, *, timeout_s: float = 30, deadline_s: float = 120,
                          environ: dict[str, str] | None = None) -> "GitHubTrigger":
         environ = dict(os.environ if environ is None else environ)
         if not settings.repo and environ.get("GITHUB_REPOSITORY"):
@@ -223,11 +234,14 @@ class GitHubTrigger(Trigger):
         if not settings.repo:
             raise ConfigError("the github trigger needs the repository: watch.github.repo: OWNER/NAME "
                               "(or GITHUB_REPOSITORY)", field="watch.github.repo")
-        token = next((environ[v] for v in TOKEN_VARIABLES if environ.get(v)), None)
+        from regress.redact import secret_from_environment
+
+        token = next((t for t in (secret_from_environment(v, environ) for v in TOKEN_VARIABLES) if t), None)
         if token is None:
             raise ConfigError(f"the github trigger needs a token in {' or '.join(TOKEN_VARIABLES)} "
-                              "(a token allowed to start the repository's workflows)", field="watch.trigger")
-        return cls(settings, token=token, timeout_s=timeout_s)
+                              "(or a file named by <VARIABLE>_FILE; a token allowed to start the "
+                              "repository's workflows)", field="watch.trigger")
+        return cls(settings, token=token, timeout_s=timeout_s, deadline_s=deadline_s)
 
     def request_for(self, request: CheckRequest) -> tuple[str, dict[str, Any]]:
         """(URL, JSON body) of the dispatch."""
@@ -248,10 +262,10 @@ class GitHubTrigger(Trigger):
         from regress.watch.http import PostError, post_json
 
         url, body = self.request_for(request)
-        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/vnd.github+json",
-                   "X-GitHub-Api-Version": "2022-11-28"}
+        headers = {"Accept": "application/vnd.github+json", "X-GitHub-Api-Version": "2022-11-28"}
         try:
-            post_json(url, body, headers=headers, timeout_s=self.timeout_s)
+            post_json(url, body, headers=headers, credentials={"Authorization": f"Bearer {self.token}"},
+                      timeout_s=self.timeout_s, deadline_s=self.deadline_s)
         except PostError as exc:
             hint = {401: " (is the token valid?)", 403: " (may the token start workflows?)",
                     404: " (repository or workflow not found, or the token cannot see it)",
@@ -291,7 +305,8 @@ def _celery(config: "WatchConfig") -> Trigger:
 
 
 def _github(config: "WatchConfig") -> Trigger:
-    return GitHubTrigger.from_environment(config.settings.github, timeout_s=config.settings.timeout_s)
+    return GitHubTrigger.from_environment(config.settings.github, timeout_s=config.settings.timeout_s,
+                                          deadline_s=config.settings.deadline_s)
 
 
 TRIGGERS = Registry("trigger", "regress.triggers", {

@@ -12,10 +12,13 @@ Rules a tick keeps:
   same check; a check that could not be started is released and retried next tick.
 - One history line per version, written when its outcome is final (a verdict, or a dispatch
   to GitHub whose verdict lives in the workflow); for Celery the worker writes it.
+- Versions are normalised by the index client, and a release is looked up in the state by
+  PEP 440 equality: ``2.0.0`` on the index is the ``2.0`` the state knows, checked once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -23,10 +26,11 @@ from typing import Any
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from regress.errors import EXIT_OK, EXIT_REGRESSION, RegressError
 from regress.watch.config import WatchConfig
+from regress.watch.http import DEFAULT_DEADLINE_S
 from regress.watch.index import IndexClient, PackageIndexError, Release, configured_index
 from regress.watch.notify import Notifier
 from regress.watch.state import FINISHED, VersionRecord, WatchState, claimable, open_state
@@ -73,6 +77,8 @@ class PackageOutcome:
     outcomes: list[VersionOutcome] = field(default_factory=list)
     error: RegressError | None = None
     """The index (or state) failed: nothing was changed for this package."""
+    notes: list[str] = field(default_factory=list)
+    """Files of the index page skipped for an absurd version (the page itself was usable)."""
 
 
 @dataclass
@@ -111,7 +117,7 @@ class TickResult:
             "packages": [{
                 "package": p.package, "releases": p.releases, "first_watch": p.first_watch,
                 "recorded_seen": p.recorded_seen, "skipped_prereleases": p.skipped_prereleases,
-                "skipped_yanked": p.skipped_yanked, "error": str(p.error) if p.error else None,
+                "skipped_yanked": p.skipped_yanked, "notes": p.notes, "error": str(p.error) if p.error else None,
                 "checks": [{"version": o.version, "status": o.status, "candidate": o.candidate,
                             "report": o.report, "detail": o.detail,
                             "error": str(o.error) if o.error else None} for o in p.outcomes],
@@ -159,7 +165,7 @@ class Watcher:
     def _package(self, package: str, warnings: list[str]) -> PackageOutcome:
         result = PackageOutcome(package)
         try:
-            releases = self.index.releases(package)
+            releases = self.index.releases(package, result.notes)
         except PackageIndexError as exc:
             result.error = exc
             return result
@@ -178,7 +184,12 @@ class Watcher:
                 result.first_watch = True
                 known = self._first_watch(package, releases, eligible, result)
             now = time.time()
-            new = [r for r in eligible if claimable(known.get(r.version), now, self.settings.claim_timeout_s)]
+            new = []
+            for release in eligible:
+                existing = _lookup(known, release)
+                if claimable(existing, now, self.settings.claim_timeout_s):
+                    # The state's spelling of an equal version stays the key: one entry per release.
+                    new.append(dataclasses.replace(release, version=existing.version) if existing else release)
             for release in new:
                 result.outcomes.append(self._start(release, warnings))
         except RegressError as exc:  # the state store went away mid-tick
@@ -252,8 +263,23 @@ class Watcher:
         return outcome
 
 
-def notifier_for(webhook: str | None, notify: Any = "regression", timeout_s: float = 30) -> Notifier | None:
-    return Notifier(webhook, on=notify, timeout_s=timeout_s) if webhook else None
+def _lookup(known: dict[str, VersionRecord], release: Release) -> VersionRecord | None:
+    """The state's record of ``release``: by its spelling, else by PEP 440 equality (a state
+    written before versions were normalised, or an index that respelled one)."""
+    if release.version in known:
+        return known[release.version]
+    for spelled, record in known.items():
+        try:
+            if Version(spelled) == release.parsed:
+                return record
+        except InvalidVersion:
+            continue
+    return None
+
+
+def notifier_for(webhook: str | None, notify: Any = "regression", timeout_s: float = 30,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> Notifier | None:
+    return Notifier(webhook, on=notify, timeout_s=timeout_s, deadline_s=deadline_s) if webhook else None
 
 
 def build_watcher(config: WatchConfig, *, trigger: Trigger | None = None, state: WatchState | None = None,
@@ -262,7 +288,8 @@ def build_watcher(config: WatchConfig, *, trigger: Trigger | None = None, state:
     trigger and webhook. Configuration problems raise before anything is changed."""
     s = config.settings
     trigger = trigger or make_trigger(config)
-    index = index or IndexClient(configured_index(s.index_url), timeout_s=s.timeout_s)
+    index = index or IndexClient(configured_index(s.index_url), timeout_s=s.timeout_s,
+                                 max_bytes=int(s.max_index_mib * 1024 * 1024), deadline_s=s.deadline_s)
     state = state or open_state(s.state)
     return Watcher(config, index=index, state=state, trigger=trigger,
-                   notifier=notifier_for(s.webhook, s.notify, s.timeout_s), dry_run=dry_run)
+                   notifier=notifier_for(s.webhook, s.notify, s.timeout_s, s.deadline_s), dry_run=dry_run)

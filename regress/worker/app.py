@@ -13,6 +13,9 @@ Why each setting:
 - visibility timeout longer than the longest shard: Redis gives an unacknowledged shard to
   another worker only after that long, so a slow shard is not run twice, and a dead worker's
   shard comes back after it (``unacked_restore_interval`` checks every few seconds).
+- signed messages only (:mod:`regress.worker.signing`): JSON keeps a message from being code,
+  the signature keeps a stranger's message from being work. Every task is a
+  :class:`~regress.worker.signing.SignedTask`, Celery's built-in ones included.
 - the ``solo`` pool: tasks run in the worker's main process, one at a time, so the warm engine
   lives in one place. The engine itself always runs in its own subprocess (vLLM cannot run in a
   daemonic prefork child).
@@ -20,15 +23,19 @@ Why each setting:
 
 from __future__ import annotations
 
+import logging
 import ssl
+import sys
 from typing import Any
 
 import redis.exceptions
 from celery import Celery
+from celery.signals import worker_init
 from kombu.exceptions import OperationalError
 
-from regress.errors import BrokerError
-from regress.worker.settings import CelerySettings
+from regress.errors import BrokerError, RegressError
+from regress.worker import signing
+from regress.worker.settings import CelerySettings, check_worker_security
 
 TASK_REPLAY_SHARD = "regress.replay_shard"
 """Run one shard of a replay plan (regress.worker.tasks)."""
@@ -117,9 +124,24 @@ def ensure_broker(celery_app: Celery, described: str) -> None:
 def make_app(settings: CelerySettings | None = None, *, with_tasks: bool = True) -> Celery:
     """A Celery app for ``settings`` (default: the environment's REGRESS_* variables)."""
     settings = (settings or CelerySettings()).with_environment()
-    celery_app = Celery("regress")
+    celery_app = Celery("regress", task_cls="regress.worker.signing:SignedTask")
     celery_app.conf.update(celery_config(settings, with_tasks=with_tasks))
     celery_app.conf.regress_settings = settings.model_dump()
+    try:
+        signing.configure(settings)
+    except RegressError as exc:
+        # The module's app is built at import (a worker, beat, a client): a bad key must not
+        # make the import fail; senders and workers check the key again before they act.
+        logging.getLogger(__name__).error("%s", exc)
+    return celery_app
+
+
+def sending_app(settings: CelerySettings) -> Celery:
+    """A client app (the orchestrator, the watcher's celery trigger) that signs what it sends;
+    a :class:`ConfigError` when there is no key (workers would refuse every message)."""
+    celery_app = make_app(settings, with_tasks=False)
+    signing.configure(settings.with_environment())
+    signing.require_key(settings.with_environment())
     return celery_app
 
 
@@ -127,6 +149,31 @@ def configure(celery_app: Celery, settings: CelerySettings) -> None:
     """Point an existing app (the module's ``app``) at other settings."""
     celery_app.conf.update(celery_config(settings))
     celery_app.conf.regress_settings = settings.model_dump()
+    signing.configure(settings)
+
+
+_worker_checked = False
+
+
+def check_worker(settings: CelerySettings) -> None:
+    """The start-up checks of a worker (:func:`check_worker_security`), done once per process."""
+    global _worker_checked
+    key = signing.configure(settings)
+    check_worker_security(settings, has_key=key is not None)
+    _worker_checked = True
+
+
+@worker_init.connect
+def _check_on_start(**_: Any) -> None:
+    # ``celery -A regress.worker.app worker`` skips ``regress worker``'s checks: do them here.
+    # SystemExit, not an exception: Celery logs and ignores exceptions from signal handlers.
+    if _worker_checked:
+        return
+    try:
+        check_worker(CelerySettings(**app.conf.regress_settings).with_environment())
+    except RegressError as exc:
+        print(f"regress worker: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
 
 
 app = make_app()

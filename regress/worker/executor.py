@@ -6,11 +6,18 @@ workers are other machines). The broker's task states only say which shards fail
 broker that restarts, or a task whose result was lost, cannot make a run look complete: the
 run is complete only when every shard's file is there, and otherwise the executor fails
 loudly, naming the shards it is missing.
+
+A shard counts only when its file carries this plan's fingerprint *and* this attempt's run
+id: a resumed run keeps its run id (so shards finished by workers after the orchestrator died
+count), a ``--force`` run gets a new one (so a late shard of the old attempt does not). The
+engine's facts come from the workers' ``engine-facts/`` files, so a run whose every shard
+finished while no orchestrator waited completes from files alone.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,9 +36,14 @@ from regress.replay import (
     shard_request,
 )
 from regress.runs import VOCAB_FILE, shard_file
-from regress.storage import atomic_write_text
-from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, make_app
+from regress.storage import atomic_write_text, read_shard_meta
+from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, sending_app
 from regress.worker.settings import CelerySettings
+
+
+ENGINE_FACTS_DIR = "engine-facts"
+"""In a run directory being built: the engine's facts per shard (``shard-NNNNN.json``), written
+by the worker that ran it; folded into ``engine-info.json`` when the run completes."""
 
 
 @dataclass
@@ -65,7 +77,17 @@ class CeleryExecutor:
         self.state_poll_s = state_poll_s
 
     def _app(self):  # type: ignore[no-untyped-def]
-        return make_app(self.settings, with_tasks=False)
+        return sending_app(self.settings)
+
+    @staticmethod
+    def _done(run_dir: Path, task: ShardTask, run_id: str) -> bool:
+        """This shard of this plan, written for this attempt (see the module's docstring)."""
+        if not shard_is_done(run_dir, task):
+            return False
+        try:
+            return read_shard_meta(shard_file(run_dir, task.index)).get("run_id") == run_id
+        except (OSError, ValueError):
+            return False
 
     def _payload(self, plan: ReplayPlan, run_dir: Path, task: ShardTask) -> dict[str, Any]:
         return {
@@ -86,10 +108,13 @@ class CeleryExecutor:
     def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
         from celery.result import AsyncResult
 
-        pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
-        if not pending:
-            return saved_execution_outcome(run_dir)
+        pending = [t for t in plan.tasks if not self._done(run_dir, t, plan.run_id)]
         info_file = run_dir / ENGINE_INFO_FILE
+        if not pending:
+            if info_file.is_file() and not (run_dir / ENGINE_FACTS_DIR).is_dir():
+                return saved_execution_outcome(run_dir)
+            # Every shard finished while no orchestrator waited (it died): the facts are in files.
+            return self._outcome({}, info_file)
         self.queue = self.explicit_queue or self.settings.queue_for(plan.candidate.name)
         app = self._app()
         broker = self.settings.describe()
@@ -115,7 +140,7 @@ class CeleryExecutor:
                 if ask_states:
                     last_states = time.monotonic()
                 for index, item in list(waiting.items()):
-                    if shard_is_done(run_dir, item.task):
+                    if self._done(run_dir, item.task, plan.run_id):
                         item.result = self._result_of(AsyncResult(item.task_id, app=app))
                         del waiting[index]
                         for phase in phases:
@@ -155,7 +180,7 @@ class CeleryExecutor:
                         item.error = f"the task was {state.lower()} (revoked by an interrupted run, or refused by the worker)"
                         del waiting[index]
                         last_change = time.monotonic()
-                    elif state == "SUCCESS" and not shard_is_done(run_dir, item.task):
+                    elif state == "SUCCESS" and not self._done(run_dir, item.task, plan.run_id):
                         item.error = (f"the worker reported success but {shard_file(run_dir, item.task.index).resolve()} "
                                       "is not there: do the workers see this results directory (shared storage)?")
                         del waiting[index]
@@ -211,6 +236,17 @@ class CeleryExecutor:
 
     def _outcome(self, tracked: dict[int, _Tracked], info_file: Path) -> ExecutionOutcome:
         replies = [t.result for t in tracked.values() if t.result and not t.result.get("skipped")]
+        # Shards whose reply this attempt did not get (run by workers for an orchestrator that
+        # died, or whose reply was lost with the broker): their facts files stand in.
+        facts_dir = info_file.parent / ENGINE_FACTS_DIR
+        answered = {int(r["index"]) for r in replies if "index" in r}
+        for path in sorted(facts_dir.glob("shard-*.json")) if facts_dir.is_dir() else []:
+            try:
+                facts = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise StorageError(f"{path}: unreadable engine facts ({exc}); delete it and run again") from exc
+            if isinstance(facts, dict) and facts.get("index") not in answered:
+                replies.append(facts)
         saved: dict[str, Any] = {}
         if info_file.is_file():
             try:
@@ -227,6 +263,10 @@ class CeleryExecutor:
                 if value is not None and (memory.get(key) is None or value > memory[key]):
                     memory[key] = value
         workers = sorted({f"{r['worker']}:{r['pid']}" for r in replies})
+        if not workers:
+            workers = saved.get("workers", [])
         atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment,
                                                  "workers": workers}, default=str))
+        # Folded into engine-info.json: the finished run keeps the summary only.
+        shutil.rmtree(facts_dir, ignore_errors=True)
         return ExecutionOutcome(info, loads, load_s, memory, environment)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from regress.worker.settings import CelerySettings
 
@@ -20,15 +21,24 @@ def run_worker(
     name: str | None = None,
     max_engines: int = 1,
     loglevel: str = "INFO",
+    params: Path | None = None,
 ) -> None:
-    """Start a worker in this process and serve until stopped (SIGTERM: finish the shard, exit)."""
+    """Start a worker in this process and serve until stopped (SIGTERM: finish the shard, exit).
+
+    Refuses to start (:class:`~regress.errors.ConfigError`) on a password-less broker off
+    loopback or without a signing key, unless the settings allow it. ``params``: the worker's
+    own params.yaml, where watch tasks take their configuration (check command, state, webhook)
+    from; never from a message."""
     # Read by regress.worker.tasks when it is imported (by the worker, below).
     os.environ["REGRESS_WORKER_MAX_ENGINES"] = str(max_engines)
+    if params is not None and params.is_file() and not os.environ.get("REGRESS_WATCH_PARAMS"):
+        os.environ["REGRESS_WATCH_PARAMS"] = str(params.resolve())
     from celery.signals import worker_shutdown
 
-    from regress.worker.app import app, configure
+    from regress.worker.app import app, check_worker, configure
 
     configure(app, settings)
+    check_worker(settings)
 
     @worker_shutdown.connect
     def _close_engines(**_: object) -> None:

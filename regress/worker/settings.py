@@ -10,18 +10,24 @@ of the repository::
     REGRESS_VISIBILITY_TIMEOUT_S
     REGRESS_REDIS_CA_CERTS    CA bundle for rediss:// (default: the system's)
     REGRESS_STALL_TIMEOUT_S
+    REGRESS_RESULTS_DIR       the only directory tree a worker writes results into (default: its cwd)
+    REGRESS_BROKER_KEY_FILE   file holding the message signing key (or REGRESS_BROKER_KEY: the key)
+    REGRESS_MESSAGE_MAX_AGE_S older signed messages are refused (replay protection)
+    REGRESS_ALLOW_INSECURE_BROKER=1, REGRESS_ALLOW_UNSIGNED=1   see worker/security in docs/celery.md
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from regress.errors import ConfigError
+from regress.redact import redact  # the one redaction function; re-exported for older callers
 from regress.validation import first_error
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -36,6 +42,11 @@ _ENV = {
     "visibility_timeout_s": "REGRESS_VISIBILITY_TIMEOUT_S",
     "ssl_ca_certs": "REGRESS_REDIS_CA_CERTS",
     "stall_timeout_s": "REGRESS_STALL_TIMEOUT_S",
+    "results_dir": "REGRESS_RESULTS_DIR",
+    "broker_key_file": "REGRESS_BROKER_KEY_FILE",
+    "message_max_age_s": "REGRESS_MESSAGE_MAX_AGE_S",
+    "allow_insecure_broker": "REGRESS_ALLOW_INSECURE_BROKER",
+    "allow_unsigned": "REGRESS_ALLOW_UNSIGNED",
 }
 
 
@@ -65,6 +76,22 @@ class CelerySettings(BaseModel):
     """Certificate check for rediss:// URLs."""
     ssl_ca_certs: str | None = None
     """CA bundle for rediss:// URLs (default: the system's)."""
+    results_dir: str | None = None
+    """Workers write only below this directory (resolved, symlinks included): a shard, vocabulary
+    or run directory a message names outside it is refused before anything runs. Default: the
+    worker's working directory. Point it at the shared results storage (``/mnt/regress``)."""
+    broker_key_file: str | None = None
+    """File holding the shared secret that signs broker messages (``REGRESS_BROKER_KEY`` holding
+    the secret itself wins). Senders sign, workers refuse what is not signed with it."""
+    message_max_age_s: float = Field(24 * 3600, gt=0)
+    """Workers refuse a signed message older than this (replay protection). Must exceed the
+    longest a shard can wait on the queue plus the visibility timeout."""
+    allow_insecure_broker: bool = False
+    """Let a worker use a password-less broker that is not on loopback (anyone on the network
+    could then send it work, signed or not: only for isolated networks)."""
+    allow_unsigned: bool = False
+    """Send and accept unsigned messages when no key is set (a single-user machine, loopback
+    Redis). Never on a shared broker."""
 
     @field_validator("candidate_queues")
     @classmethod
@@ -112,10 +139,33 @@ class CelerySettings(BaseModel):
         return redact(self.broker_url)
 
 
-def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
+def is_loopback(url: str) -> bool:
+    """Whether a Redis URL points at this machine (127.0.0.0/8, ::1, localhost, a unix socket)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = re.sub(r":[^:@]*@", ":***@", parts.netloc, count=1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.scheme == "unix":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_worker_security(settings: CelerySettings, *, has_key: bool) -> None:
+    """Refuse to start a worker anyone could feed: a password-less broker off loopback (unless
+    ``allow_insecure_broker``), or no signing key (unless ``allow_unsigned``)."""
+    for url, field in ((settings.broker_url, "celery.broker_url"), (settings.backend_url, "celery.result_backend")):
+        if urlsplit(url).password is None and not is_loopback(url) and not settings.allow_insecure_broker:
+            raise ConfigError(f"refusing the password-less broker {redact(url)} that is not on this machine: "
+                              "anyone who reaches it could queue work. Put a password in the URL "
+                              "(redis://:secret@host...), or pass --allow-insecure-broker "
+                              "(REGRESS_ALLOW_INSECURE_BROKER=1) on an isolated network", field=field)
+    if not has_key and not settings.allow_unsigned:
+        raise ConfigError("no broker signing key: set REGRESS_BROKER_KEY (or a key file in REGRESS_BROKER_KEY_FILE "
+                          "/ celery.broker_key_file), the same secret the orchestrator and watcher use; "
+                          "--allow-unsigned only for a single-user machine with Redis on loopback",
+                          field="REGRESS_BROKER_KEY")
+
+

