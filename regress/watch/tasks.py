@@ -65,7 +65,7 @@ def trusted_request(req: "CheckRequest", config: "WatchConfig") -> "CheckRequest
     from packaging.version import InvalidVersion, Version
 
     from regress.watch.state import open_state
-    from regress.watch.triggers import CheckRequest
+    from regress.watch.triggers import CheckRequest, wire_form
     from regress.watch.watcher import candidate_name, requirement_for
 
     what = f"check of {req.package} {req.version}"
@@ -88,8 +88,11 @@ def trusted_request(req: "CheckRequest", config: "WatchConfig") -> "CheckRequest
         candidate=candidate_name(req.package, req.version), template=settings.template,
         params=str(config.params_path), state=state_spec, webhook=settings.webhook, notify=settings.notify,
         check_command=settings.check_command, timeout_s=settings.timeout_s)
+    # Messages carry the state URL and webhook in their wire form (no password, no webhook
+    # path): compare like with like, then use this worker's own values.
+    wire = wire_form(own)
     for field in CheckRequest.model_fields:
-        if getattr(req, field) != getattr(own, field):
+        if getattr(req, field) != getattr(wire, field):
             raise MessageRefused(f"{what} refused: field '{field}' differs from this worker's configuration "
                                  f"({config.params_path}); a message never chooses it")
     return own

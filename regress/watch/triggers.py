@@ -64,6 +64,16 @@ class CheckRequest(BaseModel):
     """Timeout of webhook requests."""
 
 
+def wire_form(request: CheckRequest) -> CheckRequest:
+    """``request`` as it travels through the broker: the state URL's password and the webhook
+    (whose path is the secret) hidden. Workers never use these two fields of a message: they
+    check them against their own configuration's wire form and use their own values."""
+    from regress.redact import origin, redact
+
+    return request.model_copy(update={"state": redact(request.state),
+                                      "webhook": origin(request.webhook) if request.webhook else None})
+
+
 @dataclass(frozen=True)
 class TriggerOutcome:
     """What starting a check gave."""
@@ -187,7 +197,7 @@ class CeleryTrigger(Trigger):
         task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"
         try:
             ensure_broker(app, self.settings.describe())
-            app.send_task(TASK_CHECK, args=[request.model_dump(mode="json")], task_id=task_id, queue=self.queue,
+            app.send_task(TASK_CHECK, args=[wire_form(request).model_dump(mode="json")], task_id=task_id, queue=self.queue,
                           retry=True, retry_policy={"max_retries": 3, "interval_start": 0.5,
                                                     "interval_step": 1, "interval_max": 3})
         except (BrokerError, *BROKER_CONNECTION_ERRORS) as exc:
