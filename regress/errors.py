@@ -13,6 +13,7 @@ exit code; users never see a traceback for their own mistakes.
     │   ├── ConfigError               params.yaml / candidate spec: file, line, field, allowed, given
     │   │   └── ConfigProblems        several of them at once (params.yaml is validated whole)
     │   ├── DatasetError              prompt set or golden file: file, line, field
+    │   ├── ChatTemplateMissing       a ``messages`` prompt for a tokenizer without a chat template
     │   └── UnknownPluginError        a backend, metric or trigger name nobody registered
     ├── RunError            exit 3    the check could not run; retrying may help
     │   ├── CandidateEnvError         creating a candidate's virtual environment failed
@@ -123,6 +124,11 @@ class DatasetError(InputError):
         if field:
             where += f": field '{field}'"
         super().__init__(f"{where}: {message}")
+
+
+class ChatTemplateMissing(InputError):
+    """A ``messages`` prompt reached a tokenizer without a chat template (raised in the engine
+    process, which answers it as an input error naming the prompt)."""
 
 
 class UnknownPluginError(InputError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 JSON_SIMPLE = "application/vnd.pypi.simple.v1+json"
 
@@ -114,3 +115,16 @@ class Recorder(_Server):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def serving(project: str, *versions: str) -> Iterator[LocalIndex]:
+    """A started LocalIndex listing ``versions`` of ``project``; stopped on exit."""
+    server = LocalIndex().start()
+    for version in versions:
+        server.add(project, version)
+    try:
+        yield server
+    finally:
+        server.stop()
+

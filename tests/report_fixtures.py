@@ -215,3 +215,18 @@ def build_case(root: Path, prompts: int = 30, *, tokens: int = 48, k: int = 5, s
     score = score_runs(golden, run, t, tags=tags, metrics=build_metrics(t, encoder=BagOfWordsEncoder()))
     write_score_outputs(score, root / "scores")
     return Case(root, golden, run, score, prompt_set)
+
+
+def build_scored_project(root: Path) -> Path:
+    """A golden (``root/golden``) and a replay (``root/runs/candidate``) in the real storage format,
+    written without an engine, and a params.yaml pointing at them."""
+    import yaml
+
+    build_case(root, prompts=12, tokens=16, shard_size=4, semantic=False)
+    (root / "runs").mkdir()
+    (root / "run").rename(root / "runs" / "candidate")
+    params = {"dataset": "prompts.jsonl", "baseline": {"package": "current", "model": "m"},
+              "candidates": {"candidate": {"dtype": "float16"}}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    return root
+

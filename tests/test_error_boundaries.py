@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from pep691_index import JSON_SIMPLE, LocalIndex
+from pep691_index import JSON_SIMPLE, serving
 
 from regress.errors import (
     BrokerError,
@@ -61,15 +61,9 @@ def one_line(text: str) -> str:
 def scored_project(tmp_path: Path) -> Path:
     """A golden and a replay written in the real storage format without an engine, and a
     params.yaml that points at them."""
-    from report_fixtures import build_case
+    from report_fixtures import build_scored_project
 
-    build_case(tmp_path, prompts=12, tokens=16, shard_size=4, semantic=False)
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "run").rename(tmp_path / "runs" / "candidate")
-    params = {"dataset": "prompts.jsonl", "baseline": {"package": "current", "model": "m"},
-              "candidates": {"candidate": {"dtype": "float16"}}}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
-    return tmp_path
+    return build_scored_project(tmp_path)
 
 
 def _flip(path: Path, where: float, count: int = 8) -> None:
@@ -177,11 +171,8 @@ def test_an_unreadable_manifest_is_a_storage_error(scored_project: Path):
 
 @pytest.fixture
 def index():
-    server = LocalIndex().start()
-    server.add(PKG, "0.31.0")
-    server.add(PKG, "0.32.0")
-    yield server
-    server.stop()
+    with serving(PKG, "0.31.0", "0.32.0") as server:
+        yield server
 
 
 def watch_params(root: Path, watch: dict[str, Any]) -> Path:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import pytest
 import yaml
-from pep691_index import JSON_SIMPLE, LocalIndex, Recorder
+from pep691_index import JSON_SIMPLE, Recorder, serving
 from typer.testing import CliRunner
 
 from regress.errors import ConfigError, PackageIndexError, PostError
@@ -199,10 +199,8 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def index():
-    server = LocalIndex().start()
-    server.add(PKG, "0.31.0")
-    yield server
-    server.stop()
+    with serving(PKG, "0.31.0") as server:
+        yield server
 
 
 @pytest.mark.parametrize("status", [301, 307, 308])

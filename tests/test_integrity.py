@@ -31,15 +31,9 @@ def _one_line(text: str) -> str:
 @pytest.fixture
 def scored_project(tmp_path: Path) -> Path:
     """A golden and a replay in the real storage format (no engine), and a params.yaml."""
-    from report_fixtures import build_case
+    from report_fixtures import build_scored_project
 
-    build_case(tmp_path, prompts=12, tokens=16, shard_size=4, semantic=False)
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "run").rename(tmp_path / "runs" / "candidate")
-    params = {"dataset": "prompts.jsonl", "baseline": {"package": "current", "model": "m"},
-              "candidates": {"candidate": {"dtype": "float16"}}}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
-    return tmp_path
+    return build_scored_project(tmp_path)
 
 
 def _score(project: Path) -> tuple[int, str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from pep691_index import LocalIndex, Recorder
+from pep691_index import LocalIndex, Recorder, serving
 from typer.testing import CliRunner
 
 from regress.errors import ConfigError, RunError, UnknownPluginError
@@ -80,11 +80,8 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def index():
-    server = LocalIndex().start()
-    server.add(PKG, "0.31.0")
-    server.add(PKG, "0.32.0")
-    yield server
-    server.stop()
+    with serving(PKG, "0.31.0", "0.32.0") as server:
+        yield server
 
 
 @pytest.fixture

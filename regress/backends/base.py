@@ -21,12 +21,10 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
+from regress.errors import ChatTemplateMissing  # noqa: F401  (raised by render_prompt; re-exported)
+
 ProgressCallback = Callable[[int], None]
 """Called with the number of requests finished since the last call."""
-
-
-class ChatTemplateMissing(Exception):
-    """A ``messages`` prompt reached a tokenizer without a chat template."""
 
 
 @dataclass

@@ -58,10 +58,6 @@ from regress.storage import atomic_write_text, ragged, write_shard
 _PROGRESS_INTERVAL_S = 0.25
 
 
-class InputProblem(Exception):
-    """The request is wrong for this model (reported as an input error, not an engine crash)."""
-
-
 class _Channel:
     """The protocol stream back to the orchestrator."""
 
@@ -191,7 +187,7 @@ class EngineServer:
             try:
                 rendered.append(self.backend.render(prompt["payload"], self.chat_template))
             except ChatTemplateMissing as exc:
-                raise InputProblem(f"prompt '{prompt['id']}': {exc}") from exc
+                raise ChatTemplateMissing(f"prompt '{prompt['id']}': {exc}") from exc
         requests = [GenerationRequest(ids, p["sampling"]) for ids, p in zip(rendered, prompts)]
         k = max(p["sampling"]["logprobs"] for p in prompts)
 
@@ -265,7 +261,8 @@ def serve(requests: IO[str], channel: _Channel) -> None:
         try:
             reply: Reply = server.handle(request)
         except Exception as exc:  # every failure goes back to the orchestrator, which translates it
-            kind = INPUT_ERROR if isinstance(exc, InputProblem) else type(exc).__name__
+            # The request is wrong for this model: an input error, not an engine crash.
+            kind = INPUT_ERROR if isinstance(exc, ChatTemplateMissing) else type(exc).__name__
             reply = ErrorReply(op=request.op, error=_error(exc, kind))
         channel.send(reply)
 
