@@ -64,9 +64,11 @@ def score_candidate(
     with_report: bool = True,
 ) -> ScoredCandidate:
     """Score a replayed candidate; write scores.json and metrics.json, and (unless told not to)
-    its report. ``out`` writes scores and report there instead of scores/ and reports/."""
+    its report. The baseline's measured noise (``golden/noise.json``, when there is one for this
+    golden) is applied (:mod:`regress.noise.floor`). ``out`` writes scores and report there instead of scores/ and reports/."""
     from regress.datasets import load_prompt_set
     from regress.envs import regress_home
+    from regress.noise.floor import load_floor
     from regress.progress import stderr_console
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
@@ -76,12 +78,15 @@ def score_candidate(
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     golden_run = load_run(golden_dir or params.golden_dir())
     run = load_run(run_dir or params.run_dir(spec.name))
+    noise = load_floor(golden_dir or params.golden_dir(), golden_run.manifest.run_id)
+    if noise is not None and params.noise is not None and params.noise.k != noise.k:
+        noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
     prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
     with stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
         report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
-                            metrics=metrics)
+                            metrics=metrics, noise=noise)
     scores_dir = out or params.scores_dir() / spec.name
     write_score_outputs(report, scores_dir)
     page = None

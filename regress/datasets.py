@@ -146,6 +146,12 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
             )
             continue
         first_line_of[record.id] = number
+        greedy = record.sampling.over(card.defaults).temperature == 0
+        if record.samples is not None and record.samples > 1 and greedy:
+            problems.append(DatasetError(f"{record.samples} samples at temperature 0 would all be the same output: "
+                                         "set sampling.temperature above 0 or drop samples",
+                                         file=path, line=number, field="samples"))
+            continue
         prompts.append(record)
     if not prompts and not problems:
         problems.append(DatasetError("the prompt set holds no prompts", file=path))

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from regress.noise.record import NoiseApplied
+
 FORMAT_VERSION = 1
 """Version of the stored formats (manifests and shard files)."""
 
@@ -110,6 +112,11 @@ class ResolvedSampling(_Strict):
     """Frequency penalty."""
     ignore_eos: bool = False
     """Generate past EOS."""
+    sample: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    """Which sample of a sampled prompt this is (from 0); None for a prompt run once. Left out of
+    the stored form when None, so greedy prompts are stored (and fingerprinted) as before."""
+    samples: int | None = Field(None, ge=2, exclude_if=lambda v: v is None)
+    """How many samples its prompt has (``samples:`` in the prompt set); None for a prompt run once."""
 
     @classmethod
     def resolve(cls, *layers: SamplingSpec) -> "ResolvedSampling":
@@ -125,6 +132,10 @@ class ResolvedSampling(_Strict):
 # --------------------------------------------------------------------------------------
 # Prompt sets
 # --------------------------------------------------------------------------------------
+
+
+MAX_SAMPLES = 1000
+"""Most samples one prompt may ask for."""
 
 
 class Message(_Strict):
@@ -149,6 +160,10 @@ class PromptRecord(_Strict):
     """Per-prompt sampling overrides."""
     tags: list[str] = Field(default_factory=list)
     """Free labels used to group and filter prompts in reports."""
+    samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    """Run this prompt this many times (temperature > 0 only), each with its own seed derived from
+    the prompt id and the resolved ``seed``; golden and candidate outputs are compared as
+    distributions (:mod:`regress.metrics.sampled`). Overrides the card's ``samples``."""
     expected: list[str] | None = None
     """Checkable answer: a non-empty string, or a non-empty list of accepted strings (any one
     counts). An output is correct when it contains one, compared case-insensitively after NFKC
@@ -234,6 +249,9 @@ class DatasetCard(_Strict):
     """What the prompt set is for."""
     defaults: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling defaults for every prompt of the set."""
+    samples: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    """Samples per prompt for every prompt of the set that samples (temperature > 0); a prompt's
+    own ``samples`` wins. Greedy prompts run once whatever this says."""
 
 
 # --------------------------------------------------------------------------------------
@@ -687,6 +705,35 @@ class RunMetrics(_Record):
     """Ids of the prompts whose answer was lost, in prompt set order."""
     answer_flips_gained_ids: list[str] = Field(default_factory=list)
     """Ids of the prompts whose answer was gained, in prompt set order."""
+    confidence: float = 0.95
+    """Confidence level of the intervals below (``thresholds.confidence``)."""
+    regression_rate: float | None = None
+    """regression / comparable prompts (prompts - input_drift); None without comparable prompts."""
+    regression_rate_low: float | None = None
+    """Lower bound of the regression rate's Wilson score interval (what ``max_regression_rate`` gates on)."""
+    regression_rate_high: float | None = None
+    """Upper bound of the regression rate's Wilson score interval."""
+    flip_rate: float | None = None
+    """Comparable prompts whose output is not identical to the golden's / comparable prompts."""
+    flip_rate_low: float | None = None
+    """Lower bound of the flip rate's Wilson score interval."""
+    flip_rate_high: float | None = None
+    """Upper bound of the flip rate's Wilson score interval."""
+    answer_flip_rate: float | None = None
+    """(answer_flips_lost + answer_flips_gained) / answer_prompts; None without answer prompts."""
+    answer_flip_rate_low: float | None = None
+    """Lower bound of the answer flip rate's Wilson score interval (what ``max_answer_flip_rate`` gates on)."""
+    answer_flip_rate_high: float | None = None
+    """Upper bound of the answer flip rate's Wilson score interval."""
+    answer_mcnemar_p: float | None = None
+    """Two-sided exact McNemar p-value of answers lost against gained; None without answer prompts."""
+    mean_sample_logprob_shift: float | None = None
+    """Sampled prompts (``samples:``): mean over them of the candidate-minus-golden mean logprob per
+    token of their samples (below 0: the candidate samples hotter); None without sampled prompts."""
+    noise_floor: NoiseApplied | None = Field(None, exclude_if=lambda v: v is None)
+    """The baseline's measured noise floor applied to this scoring (``golden/noise.json``): arms,
+    floor per measure, the bounds in force and the prompts noisy on the baseline itself; left out
+    of the file when none was applied."""
     extra: dict[str, float | None] = Field(default_factory=dict, exclude_if=lambda v: not v)
     """Aggregates of metrics that have no field above (plugins' metrics), by the name their spec
     gives; left out of the file when there are none."""

@@ -13,17 +13,21 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from regress.errors import ConfigError
 from regress.metrics import DEFAULT_METRICS, get_metric, output_specs
 from regress.metrics.answers import matching_answer
 from regress.metrics.base import MetricInfo, Pair
+from regress.metrics.sampled import prompt_units, run_shift, sampled_class
 from regress.metrics.spec import Output
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
 from regress.runs import RunResult
 from regress.storage import atomic_write_text
 from regress.verdict import Thresholds, classify, run_verdict
+
+if TYPE_CHECKING:
+    from regress.noise.floor import NoiseFloor
 
 SCORES_FILE = "scores.json"
 METRICS_FILE = "metrics.json"
@@ -158,10 +162,21 @@ def score_runs(
     expected: dict[str, list[str]] | None = None,
     metrics: list[tuple[Any, Any]] | None = None,
     progress: ProgressFn | None = None,
+    noise: NoiseFloor | None = None,
 ) -> ScoredRun:
     """Score every prompt of ``run`` against ``golden``. ``expected`` maps prompt ids to their
-    accepted answers (:func:`expected_answers`); those prompts are also checked for them."""
-    t = thresholds or Thresholds()
+    accepted answers (:func:`expected_answers`); those prompts are also checked for them.
+    ``noise``: the baseline's measured noise (``golden/noise.json``, :mod:`regress.noise.floor`):
+    run-level bounds follow its floor, and a prompt the baseline flipped itself is benign within
+    its envelope; None: the thresholds as configured."""
+    configured = t = thresholds or Thresholds()
+    envelopes: dict[str, Any] = {}
+    if noise is not None:
+        from regress.noise import floor as noise_floor
+
+        t = noise_floor.run_thresholds(configured, noise)
+        envelopes = {p.prompt_id: p for p in noise.noisy()}
+    made_benign: list[str] = []
     missing = [pid for pid in run.prompt_ids if pid not in golden]
     if missing:
         raise ConfigError(f"{len(missing)} prompt(s) of {run.path} are not in the golden {golden.path} "
@@ -185,23 +200,39 @@ def score_runs(
     expected = expected or {}
     scores = []
     counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
-    for pair, row in zip(pairs, values):
-        klass, reasons = classify(row, t)
-        counts[klass] += 1
+    for unit in prompt_units(pairs, values):
+        pair, row = unit.pairs[0], unit.row
+        own = envelopes.get(unit.prompt_id)
+        klass, reasons = classify(row, t if own is None else noise_floor.prompt_thresholds(t, own, noise.k))
+        if own is not None and klass == "benign" and classify(row, t)[0] != "benign":
+            reasons = [noise_floor.envelope_reason(own)]
+            made_benign.append(unit.prompt_id)
         answer = None
-        if expected.get(pair.prompt_id):
-            answer = check_answer(pair.golden.text, pair.candidate.text, expected[pair.prompt_id])
-            why = answer_reason(answer)
-            if why:  # a lost answer leads (it is what a reader acts on); a gained one follows
-                reasons = [why, *reasons] if answer.flip == "lost" else [*reasons, why]
-        scores.append(PromptScore(prompt_id=pair.prompt_id, tags=tags.get(pair.prompt_id, []),
+        if unit.sampled:
+            klass, reasons, answer = sampled_class(unit, klass, reasons, expected.get(unit.prompt_id), t)
+        elif expected.get(unit.prompt_id):
+            answer = check_answer(pair.golden.text, pair.candidate.text, expected[unit.prompt_id])
+        counts[klass] += 1
+        why = answer_reason(answer) if answer is not None else None
+        if why:  # a lost answer leads (it is what a reader acts on); a gained one follows
+            reasons = [why, *reasons] if answer.flip == "lost" else [*reasons, why]
+        scores.append(PromptScore(prompt_id=unit.prompt_id, tags=tags.get(unit.prompt_id, []),
                                   prompt_class=klass, reasons=reasons, metrics=row, answer=answer))
     answers = answer_totals(scores)
-    verdict, verdict_reasons = run_verdict(counts, t, answers=answers)
+    from regress.stats import run_stats  # interval statistics (scipy, imported on first use)
+
+    stats = run_stats(counts, answers, t.confidence)
+    verdict, verdict_reasons = run_verdict(counts, t, answers=answers, stats=stats)
+    sampled_failure, sampled_note = run_shift(scores, t)
+    if sampled_failure:
+        verdict_reasons = [sampled_failure] + (verdict_reasons if verdict == "fail" else verdict_reasons[1:])
+        verdict = "fail"
+    elif sampled_note:
+        verdict_reasons.append(sampled_note)
 
     gm, rm = golden.manifest, run.manifest
     n = len(scores)
-    fields, extra = aggregates([info for info, _ in metrics], values)
+    fields, extra = aggregates([info for info, _ in metrics], [s.metrics for s in scores])
     run_metrics = RunMetrics(
         candidate=rm.candidate.name,
         prompts=n,
@@ -217,8 +248,11 @@ def score_runs(
         peak_memory_mib=rm.memory.peak_rss_mib,
         golden_peak_memory_mib=gm.memory.peak_rss_mib,
         **answers,
+        **stats,
         extra=extra,
     )
+    if noise is not None:  # what the noise floor changed, for metrics.json and the report
+        run_metrics = run_metrics.model_copy(update={"noise_floor": noise_floor.applied(configured, t, noise, made_benign)})
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
     return ScoredRun(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)

@@ -31,6 +31,10 @@ Prompts with an expected answer (``expected`` in the prompt set) are also checke
 outputs (:mod:`regress.metrics.answers`); that does not change their class. A lost answer (golden
 correct, candidate not) is reported per prompt and per run, and fails the run only when
 ``max_answer_flips_lost`` is set and exceeded.
+
+Rates are judged by their confidence intervals (:mod:`regress.stats`): ``max_regression_rate`` and
+``max_answer_flip_rate`` fail the run when the lower bound of the rate's Wilson interval exceeds them.
+``max_regression_rate`` set without an explicit ``max_regressions`` turns the count gate off.
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
     "max_answer_flips_lost": (int | None, Field(None, ge=0, description=(
         "The run fails when more prompts than this lose their expected answer (golden correct, candidate "
         "not). None (the default): lost answers are reported, never gating."))),
+    "max_regression_rate": (float | None, Field(None, ge=0, le=1, description=(
+        "The run fails when the lower bound of the regression rate's Wilson interval (regressions / comparable "
+        "prompts, at `confidence`) exceeds this. Set without max_regressions, it replaces the count gate. "
+        "None (the default): not gating."))),
+    "max_answer_flip_rate": (float | None, Field(None, ge=0, le=1, description=(
+        "The run fails when the lower bound of the answer flip rate's Wilson interval ((lost + gained) / "
+        "prompts with an expected answer, at `confidence`) exceeds this. None (the default): not gating."))),
+    "confidence": (float, Field(0.95, ge=0.5, le=0.999, description=(
+        "Confidence level of the rate intervals (Wilson score) in metrics.json and the rate gates."))),
 }
 _METRICS_FIELD: tuple[Any, Any] = (list[str] | None, Field(None, description=(
     "Metrics to compute (default: all built in). Drop 'semantic' to skip embeddings; add a registered "
@@ -234,29 +247,68 @@ def severity(values: Mapping[str, Any], t: Any) -> float:
     return max(ratios)
 
 
+def count_gate(t: Any) -> bool:
+    """Whether ``max_regressions`` gates: always, unless ``max_regression_rate`` is set and
+    ``max_regressions`` was not given explicitly (then the rate replaces the count)."""
+    fields_set = getattr(t, "model_fields_set", None)
+    explicit = fields_set is None or "max_regressions" in fields_set
+    return t.max_regression_rate is None or explicit
+
+
 def run_verdict(counts: dict[str, int], t: Any, *,
-                answers: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+                answers: Mapping[str, Any] | None = None,
+                stats: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
     """``pass`` or ``fail`` for the run, with reasons.
 
     ``answers`` holds the expected-answer counts under their RunMetrics names
     (``answer_prompts``, ``golden_answers_correct``, ``answers_correct``, ``answer_flips_lost``,
     ``answer_flips_gained``); without prompts that have an expected answer the verdict and its
-    reasons are those of the classes alone.
+    reasons are those of the classes alone. ``stats`` holds the interval fields of
+    :func:`regress.stats.run_stats` (computed here when a rate gate is set and they are not given):
+    the rate gates fail on an interval's lower bound, and the answers' note gets the McNemar p-value.
     """
+    if stats is None and (t.max_regression_rate is not None or t.max_answer_flip_rate is not None):
+        from regress.stats import run_stats
+
+        stats = run_stats(counts, answers, t.confidence)
     regressions = counts.get("regression", 0)
-    failures = []
-    if regressions > t.max_regressions:
+    by_count = count_gate(t)
+    failures, passes = [], []
+    if by_count and regressions > t.max_regressions:
         failures.append(f"{regressions} prompt(s) regressed (allowed: {t.max_regressions})")
+    for gate, name, label in (("max_regression_rate", "regression_rate", "regression rate"),
+                              ("max_answer_flip_rate", "answer_flip_rate", "answer flip rate")):
+        line = _rate_gate(stats, getattr(t, gate), name, label)
+        if line is not None:
+            (failures if line[0] else passes).append(line[1])
     answer_failure = _answers_fail(answers, t)
     if answer_failure:
         failures.append(answer_failure)
-    notes = _answer_notes(answers, t, failed=bool(answer_failure))
+    notes = _answer_notes(answers, t, failed=bool(answer_failure), stats=stats)
     if failures:
         return "fail", failures + notes
-    reasons = [f"{regressions} regression(s), allowed {t.max_regressions}"]
+    if by_count:
+        reasons = [f"{regressions} regression(s), allowed {t.max_regressions}"]
+    else:
+        reasons = [f"{regressions} regression(s) (the count does not gate: max_regression_rate is set)"]
+    reasons += passes
     if counts.get("input_drift"):
         reasons.append(f"{counts['input_drift']} prompt(s) changed their input tokens: check the tokenizer / chat template")
     return "pass", reasons + notes
+
+
+def _rate_gate(stats: Mapping[str, Any] | None, limit: float | None, name: str,
+               label: str) -> tuple[bool, str] | None:
+    """(failed, reason) of one rate gate; None when it is not set or has no prompts to rate."""
+    if limit is None or not stats or stats.get(name) is None:
+        return None
+    from regress.stats import interval_text, pct
+
+    low = stats[f"{name}_low"]
+    shown = f"{label} {interval_text(stats[name], low, stats[f'{name}_high'], stats['confidence'])}"
+    if low > limit:
+        return True, f"{shown} exceeds {pct(limit)} % at the lower bound"
+    return False, f"{shown}: lower bound within {pct(limit)} %"
 
 
 def _answers_fail(answers: Mapping[str, Any] | None, t: Any) -> str | None:
@@ -266,13 +318,16 @@ def _answers_fail(answers: Mapping[str, Any] | None, t: Any) -> str | None:
     return None
 
 
-def _answer_notes(answers: Mapping[str, Any] | None, t: Any, *, failed: bool) -> list[str]:
+def _answer_notes(answers: Mapping[str, Any] | None, t: Any, *, failed: bool,
+                  stats: Mapping[str, Any] | None = None) -> list[str]:
     n = (answers or {}).get("answer_prompts", 0)
     if not answers or not n:
         return []
     lost, gained = answers.get("answer_flips_lost", 0), answers.get("answer_flips_gained", 0)
     note = (f"expected answers: golden {answers.get('golden_answers_correct', 0)}/{n} correct, "
             f"candidate {answers.get('answers_correct', 0)}/{n}; {lost} lost, {gained} gained")
+    if stats and stats.get("answer_mcnemar_p") is not None:
+        note += f", exact McNemar p = {stats['answer_mcnemar_p']:.2g}"
     if failed:  # the failure reason already says how many were lost and allowed
         return [note]
     if t.max_answer_flips_lost is not None:

@@ -1,7 +1,7 @@
 """Metrics, registered by name and imported when used.
 
 Built in (in the order they run): ``exact_tokens``, ``divergence_point``, ``prefix_logprobs``,
-``teacher_forced``, ``surface``, ``semantic``. Each is a factory in one module; see
+``teacher_forced``, ``surface``, ``semantic``, ``sampled`` (distributions of sampled prompts). Each is a factory in one module; see
 :mod:`regress.metrics.base` for the contract and :mod:`regress.metrics.spec` for what a metric
 declares about its values. Other packages add metrics through the ``regress.metrics``
 entry-point group; they run when listed in ``thresholds.metrics``.
@@ -26,6 +26,7 @@ BUILTIN: dict[str, str] = {
     "teacher_forced": "regress.metrics.teacher_forced:teacher_forced",
     "surface": "regress.metrics.surface:surface",
     "semantic": "regress.metrics.semantic:semantic",
+    "sampled": "regress.metrics.sampled:sampled",
 }
 
 DEFAULT_METRICS = tuple(BUILTIN)

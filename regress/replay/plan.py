@@ -43,6 +43,68 @@ def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec) -> list[Re
     ]
 
 
+SAMPLE_SEPARATOR = "#"
+"""Between a sampled prompt's id and its sample number in the ids its samples are stored under
+(``qa-007#0`` ... ``qa-007#7``)."""
+
+
+def sample_id(prompt_id: str, k: int) -> str:
+    """The id sample ``k`` of a sampled prompt is stored under."""
+    return f"{prompt_id}{SAMPLE_SEPARATOR}{k}"
+
+
+def sample_seed(prompt_id: str, k: int, seed: int) -> int:
+    """Sample ``k``'s seed: derived from the prompt id, the sample number and the resolved
+    ``seed`` (change ``seed`` to reseed every sample), so it never depends on order or batching."""
+    digest = hashlib.sha256(f"{seed}|{prompt_id}|{k}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One request of a plan: a prompt run once, or one sample of a sampled prompt."""
+
+    id: str
+    """The id its result is stored under (the prompt id, or ``<prompt id>#<k>`` for sample k)."""
+    prompt: Any
+    """The prompt record."""
+    sampling: ResolvedSampling
+
+
+def sample_count(prompt: Any, card_samples: int | None, sampling: ResolvedSampling) -> int:
+    """How many times a prompt runs: its ``samples`` (else the card's) when it samples, else 1."""
+    n = prompt.samples if prompt.samples is not None else card_samples
+    if n is None or n <= 1:
+        return 1
+    if sampling.temperature == 0:
+        if prompt.samples is None:
+            return 1  # the card's samples apply to sampling prompts only
+        raise ConfigError(f"prompt '{prompt.id}' asks for {n} samples at temperature 0 (greedy outputs are all "
+                          "the same): set a temperature above 0 or drop samples", field="samples")
+    return n
+
+
+def plan_entries(prompt_set: PromptSet, candidate: CandidateSpec) -> list[Entry]:
+    """Every request, in prompt set order: a sampled prompt becomes its samples, one after another."""
+    entries: list[Entry] = []
+    for prompt, sampling in zip(prompt_set.prompts, resolve_sampling(prompt_set, candidate)):
+        n = sample_count(prompt, prompt_set.card.samples, sampling)
+        if n == 1:
+            entries.append(Entry(prompt.id, prompt, sampling))
+            continue
+        for k in range(n):
+            update = {"sample": k, "samples": n, "seed": sample_seed(prompt.id, k, sampling.seed)}
+            entries.append(Entry(sample_id(prompt.id, k), prompt, sampling.model_copy(update=update)))
+    seen: set[str] = set()
+    for e in entries:
+        if e.id in seen:
+            raise ConfigError(f"two requests would be stored under the id '{e.id}': a sampled prompt's samples are "
+                              f"stored as '<id>{SAMPLE_SEPARATOR}<k>'; rename the prompt whose id is '{e.id}'",
+                              file=str(prompt_set.path))
+        seen.add(e.id)
+    return entries
+
+
 @dataclass
 class ShardTask:
     """One shard of a plan: what the engine gets for it, but not where its result goes."""
@@ -81,8 +143,8 @@ class ReplayPlan:
         return any(t.teacher_force is not None for t in self.tasks)
 
 
-def _check_golden(prompt_set: PromptSet, golden: RunResult) -> None:
-    missing = [p.id for p in prompt_set.prompts if p.id not in golden]
+def _check_golden(prompt_set: PromptSet, golden: RunResult, entries: list[Entry]) -> None:
+    missing = [e.id for e in entries if e.id not in golden]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ConfigError(
@@ -117,14 +179,13 @@ def plan_replay(
     teacher_force: bool = True,
 ) -> ReplayPlan:
     """Plan a golden run (``golden=None``) or a replay against ``golden``."""
+    entries = plan_entries(prompt_set, candidate)
     if golden is not None:
-        _check_golden(prompt_set, golden)
+        _check_golden(prompt_set, golden, entries)
         if shard_size is None:
             shard_size = golden.manifest.layout.shard_size
     shard_size = shard_size or DEFAULT_SHARD_SIZE
-    prompt_ids = [p.id for p in prompt_set.prompts]
-    layout = plan_layout(prompt_ids, shard_size)
-    sampling = resolve_sampling(prompt_set, candidate)
+    layout = plan_layout([e.id for e in entries], shard_size)
     forced = golden is not None and teacher_force
     identity = {
         "format": FORMAT_VERSION,
@@ -137,17 +198,16 @@ def plan_replay(
     plan_fingerprint = _digest(json.dumps(identity, sort_keys=True))
     tasks = []
     for shard in layout.shards:
-        prompts = prompt_set.prompts[shard.start : shard.start + shard.count]
+        chosen = entries[shard.start : shard.start + shard.count]
         inputs: list[PromptInput] = [
-            {"id": p.id, "payload": p.payload(), "sampling": sampling[shard.start + j].model_dump()}
-            for j, p in enumerate(prompts)
+            {"id": e.id, "payload": e.prompt.payload(), "sampling": e.sampling.model_dump()} for e in chosen
         ]
         pairs: list[TeacherForcePair | None] | None = None
         if forced:
             assert golden is not None
             pairs = []
-            for p in prompts:
-                row = golden.position(p.id)
+            for e in chosen:
+                row = golden.position(e.id)
                 pairs.append([golden.prompt_token_ids(row).tolist(), golden.output_token_ids(row).tolist()])
         fingerprint = _shard_fingerprint(plan_fingerprint, shard.index, inputs, pairs)
         tasks.append(ShardTask(shard.index, inputs, pairs, fingerprint))

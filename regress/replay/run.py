@@ -53,7 +53,7 @@ def replay(
         shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
     work = prepare_partial(out_dir, plan)
     already = prompts_done(work, plan)
-    total = len(prompt_set)
+    total = sum(t.size for t in plan.tasks)  # requests: a sampled prompt counts once per sample
     progress.start("generate", total)
     if already:
         progress.advance("generate", already)

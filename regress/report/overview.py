@@ -63,6 +63,8 @@ class Measure:
     label: str
     value: str
     help: str
+    floor: str = ""
+    """The baseline's own noise floor of this measure, when one was applied ('' otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -132,9 +134,37 @@ def measures(m: RunMetrics) -> list[Measure]:
         else:
             continue
         listed.add(key)
-        rows.append(Measure(a.label or spec.shown_label, fmt(value, spec.format), a.doc or spec.doc))
+        floor = m.noise_floor.floor.get(spec.name) if m.noise_floor is not None else None
+        rows.append(Measure(a.label or spec.shown_label, fmt(value, spec.format), a.doc or spec.doc,
+                            "" if floor is None else fmt(floor, spec.format)))
     # Aggregates of a metric not installed here: shown under their own name.
     rows += [Measure(key, fmt(value), key) for key, value in m.extra.items() if key not in listed]
+    return rows
+
+
+def rates(m: RunMetrics) -> list[Measure]:
+    """The rates with their intervals (regress.stats): regression and flip rate over comparable
+    prompts, and with expected answers the answer flip rate and the exact McNemar p-value."""
+    from regress.stats import interval_text
+
+    level = f"{m.confidence * 100:g} %"
+    rows = []
+    for label, name, help in (
+            ("regression rate", "regression_rate",
+             f"regressions / comparable prompts (input drift left out), {level} Wilson score interval"),
+            ("flip rate", "flip_rate",
+             f"comparable prompts whose output is not identical to the golden's, {level} Wilson score interval"),
+            ("answer flip rate", "answer_flip_rate",
+             f"answers lost + gained / prompts with an expected answer, {level} Wilson score interval")):
+        value = getattr(m, name)
+        if value is None or getattr(m, f"{name}_low") is None:
+            continue
+        rows.append(Measure(label, interval_text(value, getattr(m, f"{name}_low"), getattr(m, f"{name}_high"),
+                                                 m.confidence), help))
+    if m.answer_prompts and m.answer_mcnemar_p is not None:
+        rows.append(Measure("answers McNemar p", f"{m.answer_mcnemar_p:.2g}",
+                            f"two-sided exact McNemar test of {m.answer_flips_lost} answers lost against "
+                            f"{m.answer_flips_gained} gained: small means the candidate loses more than chance"))
     return rows
 
 

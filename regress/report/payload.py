@@ -275,6 +275,30 @@ def _answer(s: PromptScore) -> dict[str, Any]:
                   cut(a.golden_match), cut(a.candidate_match)]}
 
 
+SAMPLES_SHOWN = 16
+"""Samples of one sampled prompt shown side by side in its details."""
+
+
+def _samples(s: PromptScore, golden: RunResult, run: RunResult, cap: int) -> dict[str, Any]:
+    """``sm``: [[golden text, candidate text], ...] of a sampled prompt's samples (each capped), and
+    ``sm0``, how many more there are."""
+    from regress.replay.plan import sample_id
+
+    n = int(s.metrics.get("samples") or 0)
+    per = max(cap // 4, TOKEN_TEXT_CAP * 4)
+    rows = []
+    for k in range(min(n, SAMPLES_SHOWN)):
+        sid = sample_id(s.prompt_id, k)
+        if sid not in golden or sid not in run:
+            break
+        texts = [golden.texts[golden.position(sid)], run.texts[run.position(sid)]]
+        rows.append([t if len(t) <= per else t[:per] + "…" for t in texts])
+    out: dict[str, Any] = {"sm": rows}
+    if n > len(rows):
+        out["sm0"] = n - len(rows)
+    return out
+
+
 def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
     """Everything the page's script needs, JSON-ready."""
     names = metric_names(score)
@@ -300,7 +324,9 @@ def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_se
                 record = None
         entry.update(_prompt(record, cap))
         entry.update(_answer(s))
-        if s.prompt_id in run and s.prompt_id in golden:
+        if s.metrics.get("samples"):
+            entry.update(_samples(s, golden, run, cap))
+        elif s.prompt_id in run and s.prompt_id in golden:
             g_row, c_row = golden.position(s.prompt_id), run.position(s.prompt_id)
             entry.update(_texts(golden.texts[g_row], run.texts[c_row], cap))
             entry["f"] = [golden.finish_reasons[g_row], run.finish_reasons[c_row]]

@@ -80,6 +80,7 @@ def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt
         "created": _stamp(score.created_at),
         "counts": overview.counts(m),
         "measures": overview.measures(m),
+        "rates": overview.rates(m),
         "performance": overview.performance(score),
         "worst": overview.worst(score),
         "changed": [s for s in settings if s.changed],

@@ -67,10 +67,18 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None) -> str:
               "|---:|" + "---:|" * len(overview.counts(m)),
               f"| {m.prompts:,} | " + " | ".join(f"{c.count:,}" for c in overview.counts(m)) + " |", ""]
     lines += ["| measure | value |", "|---|---:|"]
-    lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m)]
+    lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m) + overview.rates(m)]
     for p in overview.performance(score):
         lines.append(f"| {p.label} | {md_text(p.candidate)} (golden {md_text(p.golden)}, {md_text(p.change)}) |")
     lines += _answers_markdown(score)
+    nf = m.noise_floor
+    if nf is not None:
+        noisy = ", ".join(md_code(pid) for pid in nf.noisy_ids[:ANSWER_IDS_LISTED])
+        lines += ["", f"**Noise floor** (the baseline under {md_text(', '.join(nf.arms))}, golden/noise.json): "
+                      f"{nf.noisy_prompts:,} prompt(s) noisy on the baseline itself{': ' + noisy if noisy else ''}"
+                      f"{' …' if nf.noisy_prompts > ANSWER_IDS_LISTED else ''}; "
+                      f"{len(nf.made_benign):,} benign within their envelope; bounds in force: "
+                      + ", ".join(f"{md_text(k)} {v:.4g}" for k, v in nf.bounds.items()) + "."]
     changed = [s for s in config_diff(score.golden, score.run) if s.changed]
     lines += ["", f"**Configuration:** {len(changed)} setting(s) differ from the baseline."]
     if changed:

@@ -70,6 +70,7 @@
   function matches(p, q) {
     if (p.id.toLowerCase().indexOf(q) >= 0) return true;
     var texts = [p.s, p.g, p.c];
+    if (p.sm) p.sm.forEach(function (pair) { texts.push(pair[0], pair[1]); });
     if (p.pm) p.pm.forEach(function (m) { texts.push(m[1]); });
     for (var i = 0; i < texts.length; i++) if (texts[i] && texts[i].toLowerCase().indexOf(q) >= 0) return true;
     return false;
@@ -562,6 +563,7 @@
       });
       body.appendChild(pre);
     }
+    if (p.sm) body.appendChild(samplesBlock(p));
     if (p.s !== undefined) {
       var same = p.g === undefined;
       body.appendChild(el("h3", "", same ? "Output (identical on both sides)" : "Outputs, side by side"));
@@ -603,6 +605,27 @@
     body.scrollTop = 0;
   }
 
+  // ---------------------------------------------------------------- sampled prompts
+
+  // sm: [[golden text, candidate text], ...] sample by sample; sm0: samples not shown
+  function samplesBlock(p) {
+    var box = el("div", "samples");
+    box.appendChild(el("h3", "", "Samples, side by side (" + plural(p.sm.length + (p.sm0 || 0), "sample") + " each)"));
+    var t = el("table", "samples");
+    add(t, add(el("thead"), add(el("tr"), el("th", "", "#"), el("th", "", "golden (" + D.baseline + ")"),
+                                el("th", "", "candidate (" + D.candidate + ")"))));
+    var tb = el("tbody");
+    p.sm.forEach(function (pair, k) {
+      add(tb, add(el("tr"), el("td", "num", String(k)), add(el("td"), el("pre", "text", pair[0])),
+                  add(el("td"), el("pre", "text", pair[1]))));
+    });
+    t.appendChild(tb);
+    box.appendChild(t);
+    if (p.sm0) box.appendChild(el("p", "note", "… and " + plural(p.sm0, "more sample") + " (in the run directories)"));
+    box.appendChild(el("p", "note", "Sample k of each side was drawn with the same seed; samples are compared as sets, not pair by pair."));
+    return box;
+  }
+
   // ---------------------------------------------------------------- expected answers
 
   // a: [accepted answers, golden correct, candidate correct, found in golden, found in candidate]
@@ -628,7 +651,7 @@
   }
 
   function setupAnswers() {
-    document.querySelectorAll("#answers a.open-prompt").forEach(function (a) {
+    document.querySelectorAll("#answers a.open-prompt, #noise a.open-prompt").forEach(function (a) {
       a.addEventListener("click", function (e) {
         var i = BY_ID.get(a.dataset.id);
         if (i === undefined) return;

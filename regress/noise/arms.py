@@ -1,0 +1,71 @@
+"""Running the noise arms: the baseline replayed against its own golden, scored like a candidate.
+
+Each arm is a normal, resumable replay into ``golden/noise-arms/<arm>/`` (teacher-forced, with
+the arm's shard size), then scored against the golden with the configured thresholds; the
+arms' scores make ``golden/noise.json`` (:func:`regress.noise.floor.build_floor`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from regress.noise.floor import ARMS_DIR, NoiseArmResult, NoiseFloor, build_floor, write_floor
+from regress.noise.settings import NoiseSettings
+
+if TYPE_CHECKING:
+    from regress.datasets import PromptSet
+    from regress.records import CandidateSpec
+    from regress.replay import Executor, ProgressSink
+
+
+def arm_dir(golden_dir: str | Path, key: str) -> Path:
+    return Path(golden_dir) / ARMS_DIR / key
+
+
+def run_arms(
+    baseline: "CandidateSpec",
+    prompt_set: "PromptSet",
+    golden_dir: str | Path,
+    settings: NoiseSettings,
+    *,
+    thresholds: Any = None,
+    expected: dict[str, list[str]] | None = None,
+    executor: "Executor | None" = None,
+    progress: "ProgressSink | None" = None,
+    force: bool = False,
+    metrics: list[tuple[Any, Any]] | None = None,
+    write: bool = True,
+) -> NoiseFloor:
+    """Replay the baseline under every arm of ``settings`` against the golden in ``golden_dir``,
+    score each, and build (and, with ``write``, store as ``golden/noise.json``) the floor.
+
+    Finished arms of the same plan are reused (``force`` reruns them), interrupted ones resume.
+    """
+    from regress.replay import replay
+    from regress.runs import load_run
+    from regress.scoring import build_metrics, score_runs
+    from regress.verdict import Thresholds
+
+    t = thresholds or Thresholds()
+    golden = load_run(golden_dir)
+    golden_size = golden.manifest.layout.shard_size
+    metrics = metrics if metrics is not None else build_metrics(t)
+    results = []
+    for arm in settings.arms:
+        out = arm_dir(golden_dir, arm.key)
+        size = arm.shard_size_for(golden_size)
+        if progress is not None:
+            progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size)}")
+        manifest = replay(baseline, prompt_set, out, golden=golden, shard_size=size,
+                          executor=executor, progress=progress, force=force)
+        scored = score_runs(golden, load_run(out), t, expected=expected, metrics=metrics)
+        m, tm = scored.metrics, manifest.timings
+        results.append((NoiseArmResult(
+            name=arm.key, kind=arm.name, changed=arm.changed(golden_size), shard_size=size, run_id=manifest.run_id,
+            prompts=m.prompts, identical=m.identical, diverged=m.prompts - m.identical,
+            seconds=round(tm.engine_load_s + tm.generation_s + tm.teacher_forcing_s, 3)), scored))
+    floor = build_floor(golden.manifest.run_id, results, k=settings.k, q=settings.quantile)
+    if write:
+        write_floor(floor, golden_dir)
+    return floor
