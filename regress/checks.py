@@ -120,6 +120,7 @@ def run_check(
     prompt_set = load_prompt_set(params.dataset)
     golden_run = load_run(golden_dir or params.golden_dir())
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
-                      executor=executor, progress=progress, force=force)
+                      executor=executor, progress=progress, force=force,
+                      baseline=params.golden_baseline(golden_run.manifest))
     scored = score_candidate(params, spec, golden_dir=golden_dir)
     return CheckResult(manifest, scored)

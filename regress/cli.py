@@ -297,7 +297,7 @@ def replay(
     with RichProgress(f"replay '{spec.name}'") as progress:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
                               teacher_force=teacher_force, progress=progress, force=force,
-                              executor=chosen)
+                              executor=chosen, baseline=p.golden_baseline(golden_run.manifest))
     _summarise(manifest, out_dir)
 
 

@@ -143,6 +143,15 @@ class Params:
         known = ", ".join(["baseline", *self.candidates]) or "(none)"
         raise ConfigError(f"no candidate named '{name}'; known: {known}", file=self.path, field="candidates")
 
+    def golden_baseline(self, golden: Any) -> CandidateSpec | None:
+        """The candidate of these params that made a golden (by its manifest's candidate name):
+        what scores a replay's samples (:func:`regress.replay.replay`); None when no candidate
+        here has that name."""
+        name = golden.candidate.name
+        if name in self.candidates:
+            return self.candidates[name]
+        return self.baseline if name == self.baseline.name else None
+
     def check_model_paths(self, spec: CandidateSpec) -> None:
         """Raise :class:`ConfigError` (file, line, field) when ``spec``'s model or tokenizer is a
         local directory that does not exist, so a typo costs no environment and no engine start.

@@ -6,6 +6,8 @@
     <run>/shards/shard-00000.shard   columnar results of shard 0 (see regress.storage)
     <run>/engine.log             what the engine process printed
     <run>/tokens.json            the text of every token id (so reports need no tokenizer)
+    <run>/golden-scored/         sampled prompts only: the baseline's teacher-forced scores of
+                                 the candidate's samples (a run of its own, against this one)
 
 ``tokens.json`` holds ``{"size": N, "tokens": [text of id 0, ...], "bytes": {"<id>": "e590", ...}}``.
 ``tokens`` is each id decoded alone. ``bytes`` (optional: absent in files written before it, and
@@ -47,6 +49,9 @@ MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
 ENGINE_LOG = "engine.log"
 VOCAB_FILE = "tokens.json"
+GOLDEN_SCORED_DIR = "golden-scored"
+"""Inside a replay of sampled prompts: the baseline's teacher-forced scores of the candidate's
+samples, a run of its own (see :func:`regress.replay.plan.plan_golden_scoring`)."""
 
 _RAGGED = {
     # offsets key: (values key, row-aligned keys)
@@ -428,3 +433,23 @@ def _verify_stamps(file: Path, index: int, meta: dict[str, Any], manifest: RunMa
     if expected is not None and expected.fingerprint is not None and meta.get("fingerprint") != expected.fingerprint:
         raise IntegrityError(f"{file}: shard {index} was made for another plan (fingerprint "
                              f"{str(meta.get('fingerprint'))[:12]}, recorded {expected.fingerprint[:12]})")
+
+
+def golden_scored(run: RunResult, golden: RunResult) -> RunResult | None:
+    """The baseline's scores of ``run``'s samples (``<run>/golden-scored/``), when there and made
+    for this run by the golden's baseline; None otherwise (scoring then falls back to the
+    candidate's own logprobs, and says so)."""
+    path = run.path / GOLDEN_SCORED_DIR
+    if not (path / MANIFEST).is_file():
+        return None
+    scored = load_run(path)
+    made_for = scored.manifest.golden.run_id if scored.manifest.golden is not None else None
+    if made_for != run.manifest.run_id or scored.manifest.candidate.name != golden.manifest.candidate.name:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: made for run %s by '%s', not for %s by '%s': ignored (replay again)", path, made_for,
+            scored.manifest.candidate.name, run.manifest.run_id, golden.manifest.candidate.name)
+        return None
+    return scored
+

@@ -22,7 +22,7 @@ from regress.metrics.base import MetricInfo, Pair
 from regress.metrics.sampled import prompt_units, run_shift, sampled_class
 from regress.metrics.spec import Output
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
-from regress.runs import RunResult
+from regress.runs import RunResult, golden_scored
 from regress.storage import atomic_write_text
 from regress.verdict import Thresholds, classify, run_verdict
 
@@ -185,7 +185,9 @@ def score_runs(
         raise ConfigError(f"{run.path} was replayed against golden {run.manifest.golden.run_id}, "
                           f"not {golden.manifest.run_id} ({golden.path}); replay it again")
     metrics = metrics if metrics is not None else build_metrics(t)
-    pairs = [Pair(golden[pid], run[i]) for i, pid in enumerate(run.prompt_ids)]
+    by_golden = golden_scored(run, golden)
+    pairs = [Pair(golden[pid], run[i], by_golden[pid] if by_golden is not None and pid in by_golden else None)
+             for i, pid in enumerate(run.prompt_ids)]
     values: list[dict[str, Any]] = [{} for _ in pairs]
     for info, fn in metrics:
         if info.batched:

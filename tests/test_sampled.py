@@ -127,6 +127,22 @@ def test_a_shifted_sample_distribution_is_measured_and_tested() -> None:
     assert same["sample_logprob_shift"] == pytest.approx(0.0, abs=1e-6) and same["sample_logprob_p"] > 0.5
 
 
+def test_candidate_samples_are_judged_by_the_golden_model_when_it_scored_them() -> None:
+    golden = [-1.0, -1.1, -0.9, -1.05, -0.95, -1.2, -0.8, -1.0]
+    own = [x - 0.8 for x in golden]  # what the candidate's own engine says
+    pairs = _group(golden, own)
+    # The baseline fed each candidate sample: it finds them as likely as its own.
+    scored = [Pair(p.golden, p.candidate, _gen(p.prompt_id, list(p.candidate.output_token_ids), g, k, 8))
+              for k, (p, g) in enumerate(zip(pairs, golden))]
+    v = group_values(scored, similarity=None)
+    assert v["sample_scored_by"] == "golden"
+    assert v["sample_logprob_shift"] == pytest.approx(0.0, abs=1e-6) and v["sample_likely_share"] == 1.0
+    # Without the baseline's scores, the candidate's own logprobs stand in, and it says so.
+    v = group_values(pairs, similarity=None)
+    assert v["sample_scored_by"] == "candidate" and v["sample_logprob_shift"] == pytest.approx(-0.8, abs=1e-6)
+    assert v["sample_likely_share"] == 0.0  # every own-scored sample below the least likely golden one
+
+
 def test_sampled_prompt_classes_and_answer_rates() -> None:
     t = Thresholds()
     golden = [-1.0, -1.1, -0.9, -1.05, -0.95, -1.2, -0.8, -1.0]
@@ -202,6 +218,10 @@ def test_sampled_candidates_are_judged_as_distributions(sampled_workspace: Path,
     scored = read_scored_run(sampled_workspace / "scores" / candidate)
     assert [s.prompt_id for s in scored.scores] == [f"s-{i:02d}" for i in range(len(SAMPLED_PROMPTS))]
     assert all(s.metrics["samples"] == 8 for s in scored.scores)
+    # The baseline scored the candidate's samples (one more engine load): both sides' samples are
+    # judged by the golden's model.
+    assert (sampled_workspace / "runs" / candidate / "golden-scored" / "manifest.json").is_file()
+    assert {s.metrics["sample_scored_by"] for s in scored.scores} == {"golden"}
     shifts = [s.metrics["sample_logprob_shift"] for s in scored.scores]
     if candidate == "reseeded":
         assert scored.metrics.regression == 0

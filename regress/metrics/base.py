@@ -35,6 +35,10 @@ class Pair:
 
     golden: Generation
     candidate: Generation
+    golden_scored: Generation | None = None
+    """Sampled prompts: the baseline fed this candidate sample teacher-forced (its
+    ``teacher_forced`` track holds the golden model's logprobs of the candidate's tokens), when
+    the replay made it (``<run>/golden-scored/``)."""
 
     @property
     def prompt_id(self) -> str:

@@ -13,10 +13,14 @@ model are not meant to be equal, so this metric looks at the N samples of each s
   samples of the same distribution show (``sampled_alpha``) *and* larger than a size that matters
   (``sampled_benign_shift`` / ``sampled_regression_shift``, nat per token).
 
-  The candidate's samples are scored by the candidate's own engine. When candidate and golden run
-  the same weights (a serving setting, a sampling change, a new engine release) that is the
-  golden model's likelihood of them; when the weights differ (a quantization), the teacher-forced
-  measures, which feed the candidate every golden sample, judge the model itself.
+  The candidate's samples are judged by the *golden's* model: after the candidate's replay, the
+  baseline is fed each candidate sample teacher-forced (``<run>/golden-scored/``,
+  :func:`regress.replay.plan.plan_golden_scoring`), so both sides' samples are scored by the same
+  model and a shift is the sampler's doing or the candidate model's, never a scorer's. A replay
+  without those scores (made by hand without the baseline) falls back to the candidate's own
+  logprobs, which is the same thing when both run the same weights; ``sample_scored_by`` says which.
+  ``sample_likely_share`` is the share of candidate samples at least as likely per token as the
+  golden's least likely one.
 - **How varied they are**: distinct outputs among the N on each side.
 - **What they say**: the mean embedding cosine between golden and candidate samples (all N x N
   pairs) against the mean between two golden samples; the gap (golden-golden minus
@@ -73,13 +77,18 @@ _OUTPUTS = [
            format="int"),
     Output("sample_logprob_golden", "mean raw logprob per token of the golden's samples (golden engine)",
            label="golden logprob/token"),
-    Output("sample_logprob_candidate", "mean raw logprob per token of the candidate's samples (candidate engine)",
-           label="candidate logprob/token"),
+    Output("sample_logprob_candidate", "mean raw logprob per token of the candidate's samples, as the golden's model "
+           "scores them (else the candidate's own engine: sample_scored_by)", label="candidate logprob/token"),
+    Output("sample_likely_share", "share of the candidate's samples at least as likely per token as the golden's "
+           "least likely sample", label="likely share", format="pct", better="higher"),
+    Output("sample_scored_by", "whose model scored the candidate's samples: 'golden' (the baseline fed them "
+           "teacher-forced, golden-scored/) or 'candidate' (its own logprobs, when the replay has no golden scores)"),
     Output("sample_logprob_shift", "candidate minus golden mean logprob per token of their samples: below 0, the "
            "candidate samples less likely tokens (hotter, wider top-p); above 0, likelier ones",
            label="logprob shift", headline=20,
            aggregate=Aggregate("mean", key="mean_sample_logprob_shift", label="sampled logprob shift", rank=80,
-                               doc="mean over sampled prompts of the candidate-minus-golden logprob per token")),
+                               doc="mean over sampled prompts of the candidate-minus-golden logprob per token",
+                               shown_empty=False)),
     Output("sample_logprob_p", "two-sided Mann-Whitney U p-value of the two sides' per-sample mean logprobs",
            label="shift p", format="num"),
     Output("sample_semantic_golden", "mean embedding cosine between two golden samples", label="golden-golden cosine"),
@@ -171,10 +180,23 @@ class _Texts:
         self.golden, self.candidate = self._T(a), self._T(b)
 
 
+def _candidate_track(pair: Pair) -> tuple[Any, bool]:
+    """The logprobs of a candidate sample to judge it by: the golden model's (teacher-forced,
+    ``golden-scored``) when the replay made them, else the candidate's own; and which."""
+    scored = pair.golden_scored
+    if scored is not None and scored.teacher_forced is not None and \
+            len(scored.teacher_forced.token_ids) == len(pair.candidate.output_token_ids):
+        return scored.teacher_forced, True
+    return pair.candidate.free_run, False
+
+
 def group_values(group: list[Pair], similarity: Any) -> Values:
     """The distribution values of one sampled prompt from its samples' pairs (in sample order)."""
+    tracks = [_candidate_track(p) for p in group]
+    by_golden = all(found for _, found in tracks)
+    cand_tracks = [t for t, _ in tracks] if by_golden else [p.candidate.free_run for p in group]
     golden_lp = [v for v in (_mean_logprob(p.golden.free_run) for p in group) if v is not None]
-    cand_lp = [v for v in (_mean_logprob(p.candidate.free_run) for p in group) if v is not None]
+    cand_lp = [v for v in (_mean_logprob(t) for t in cand_tracks) if v is not None]
 
     def pooled(tracks: list[Any]) -> float | None:
         parts = [np.asarray(t.token_logprobs, dtype=np.float64) for t in tracks]
@@ -183,7 +205,11 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
         return float(lp.mean()) if lp.size else None
 
     g_mean = pooled([p.golden.free_run for p in group])
-    c_mean = pooled([p.candidate.free_run for p in group])
+    c_mean = pooled(cand_tracks)
+    likely = None
+    if golden_lp and cand_lp:
+        least = min(golden_lp)
+        likely = sum(1 for v in cand_lp if v >= least) / len(cand_lp)
     out: Values = {
         "samples": len(group),
         "distinct_golden": len({p.golden.output_token_ids.tobytes() for p in group}),
@@ -192,6 +218,8 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
         "sample_logprob_candidate": c_mean,
         "sample_logprob_shift": (c_mean - g_mean) if g_mean is not None and c_mean is not None else None,
         "sample_logprob_p": _mann_whitney(golden_lp, cand_lp),
+        "sample_likely_share": likely,
+        "sample_scored_by": "golden" if by_golden else "candidate",
         "sample_semantic_golden": None, "sample_semantic_cross": None, "sample_semantic_gap": None,
     }
     if similarity is not None:

@@ -69,6 +69,9 @@ class Aggregate:
     """Another value of the same prompt to weight a mean by (a rate over positions, not prompts)."""
     rank: int = 100
     """Order among the run's measures, lowest first."""
+    shown_empty: bool = True
+    """Shown among the run's measures (as —) when no prompt has the value; False for values only
+    some prompt sets have (sampled prompts)."""
 
 
 @dataclass(frozen=True)

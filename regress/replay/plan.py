@@ -179,7 +179,33 @@ def plan_replay(
     teacher_force: bool = True,
 ) -> ReplayPlan:
     """Plan a golden run (``golden=None``) or a replay against ``golden``."""
-    entries = plan_entries(prompt_set, candidate)
+    return _plan(candidate, prompt_set, plan_entries(prompt_set, candidate), golden=golden, shard_size=shard_size,
+                 teacher_force=teacher_force)
+
+
+GOLDEN_SCORING = "golden-scores-samples"
+"""What a plan from :func:`plan_golden_scoring` is for (part of its fingerprint)."""
+
+
+def plan_golden_scoring(baseline: CandidateSpec, prompt_set: PromptSet, run: RunResult, *,
+                        shard_size: int | None = None) -> ReplayPlan | None:
+    """The baseline scoring a candidate run's samples: every sample of a sampled prompt, fed to the
+    baseline teacher-forced (prompt + the candidate's sample), so that the golden's model says how
+    likely it finds what the candidate sampled. Generation is cut to one token (only the
+    teacher-forced logprobs are used). None when the prompt set has no sampled prompt.
+
+    The plan's "golden" is the candidate ``run``: its tokens are what is teacher-forced."""
+    entries = [e for e in plan_entries(prompt_set, baseline) if e.sampling.samples]
+    if not entries:
+        return None
+    entries = [Entry(e.id, e.prompt, e.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
+               for e in entries]
+    return _plan(baseline, prompt_set, entries, golden=run, shard_size=shard_size or run.manifest.layout.shard_size,
+                 teacher_force=True, purpose=GOLDEN_SCORING)
+
+
+def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry], *, golden: RunResult | None,
+          shard_size: int | None, teacher_force: bool, purpose: str | None = None) -> ReplayPlan:
     if golden is not None:
         _check_golden(prompt_set, golden, entries)
         if shard_size is None:
@@ -195,6 +221,8 @@ def plan_replay(
         "golden": golden.manifest.run_id if golden is not None else None,
         "teacher_force": forced,
     }
+    if purpose is not None:  # left out otherwise: the fingerprints of existing runs stay as they were
+        identity["purpose"] = purpose
     plan_fingerprint = _digest(json.dumps(identity, sort_keys=True))
     tasks = []
     for shard in layout.shards:

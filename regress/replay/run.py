@@ -10,10 +10,10 @@ from regress.datasets import PromptSet
 from regress.records import CandidateSpec, RunManifest
 from regress.replay.executors import Executor, LocalExecutor
 from regress.replay.manifest import build_manifest
-from regress.replay.plan import plan_replay
+from regress.replay.plan import ReplayPlan, plan_golden_scoring, plan_replay
 from regress.replay.rundir import finish, partial_dir, prepare_partial, prompts_done, recover, shard_metas, up_to_date_run
 from regress.replay.sink import ProgressSink, SilentProgress
-from regress.runs import RunResult, write_manifest
+from regress.runs import GOLDEN_SCORED_DIR, RunResult, write_manifest
 
 
 def replay(
@@ -27,18 +27,38 @@ def replay(
     executor: Executor | None = None,
     progress: ProgressSink | None = None,
     force: bool = False,
+    baseline: CandidateSpec | None = None,
 ) -> RunManifest:
     """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
 
     A complete run of the same plan already in ``out_dir`` is reused unless ``force``; finished
     shards of an interrupted run with the same plan are kept and not run again. Returns the
     manifest of the complete run.
+
+    ``baseline`` (the golden's candidate, as configured): when the prompt set has sampled prompts,
+    the baseline then scores the candidate's samples teacher-forced into
+    ``<out_dir>/golden-scored/`` (:func:`~regress.replay.plan.plan_golden_scoring`): how likely the
+    golden's model finds what the candidate sampled. One more engine load, only for sampled prompts.
     """
-    started = time.monotonic()
     out_dir = Path(out_dir)
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force)
+    manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
+    if golden is not None and baseline is not None and candidate.name != baseline.name:
+        from regress.runs import load_run
+
+        scoring = plan_golden_scoring(baseline, prompt_set, load_run(out_dir))
+        if scoring is not None:
+            progress.status(f"the baseline '{baseline.name}' scores the candidate's samples")
+            execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress, force=force)
+    return manifest
+
+
+def execute_plan(plan: ReplayPlan, out_dir: Path, *, executor: Executor, progress: ProgressSink,
+                 force: bool = False) -> RunManifest:
+    """Run a plan's shards that are not done into ``out_dir`` and put the run in place."""
+    started = time.monotonic()
     # An earlier command may have died in the middle of putting its run in place: finish its
     # swap first, so that a complete run is never mistaken for a stale .partial.
     recover(out_dir)
@@ -57,7 +77,7 @@ def replay(
     progress.start("generate", total)
     if already:
         progress.advance("generate", already)
-    if plan.kind == "replay" and teacher_force:
+    if plan.kind == "replay" and plan.teacher_forced:
         progress.start("teacher_force", total)
         if already:
             progress.advance("teacher_force", already)

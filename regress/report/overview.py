@@ -134,6 +134,8 @@ def measures(m: RunMetrics) -> list[Measure]:
         else:
             continue
         listed.add(key)
+        if value is None and not a.shown_empty:
+            continue
         floor = m.noise_floor.floor.get(spec.name) if m.noise_floor is not None else None
         rows.append(Measure(a.label or spec.shown_label, fmt(value, spec.format), a.doc or spec.doc,
                             "" if floor is None else fmt(floor, spec.format)))
