@@ -57,3 +57,46 @@ def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: fl
         shutil.rmtree(dst)
     partial.rename(dst)
     return info
+
+
+def damage_token(src: str | Path, dst: str | Path, *, token_id: int, scale: float = 30.0, seed: int = 0) -> dict:
+    """Copy the model at ``src`` to ``dst`` with the input embedding of one token replaced by noise.
+
+    Every prompt holding that token is damaged and no other is (for a model with untied
+    embeddings that never generates the token): planted damage on a known share of prompts.
+    The row becomes ``N(0, 1) * scale * std(embedding matrix)``. Returns what was changed, also
+    written to ``dst/perturbation.json``.
+    """
+    try:
+        import torch
+        from safetensors.torch import load_file, save_file
+    except ImportError as exc:
+        raise MissingDependencyError("damaging a model needs torch and safetensors (pip install torch safetensors)") from exc
+    import numpy as np
+
+    src, dst = Path(src), Path(dst)
+    weights_file = src / "model.safetensors"
+    if not weights_file.is_file():
+        raise ConfigError(f"{weights_file}: no such file (a single-file safetensors model is expected)")
+    tensors = load_file(str(weights_file))
+    name = "model.embed_tokens.weight"
+    if name not in tensors:
+        raise ConfigError(f"the model has no tensor {name}", field="token_id")
+    table = tensors[name]
+    if not 0 <= token_id < table.shape[0]:
+        raise ConfigError(f"token id {token_id} is outside the vocabulary (0..{table.shape[0] - 1})", field="token_id")
+    wide = table.to(torch.float64)
+    rng = np.random.default_rng(seed)
+    wide[token_id] = torch.from_numpy(rng.standard_normal(table.shape[1])) * scale * float(wide.std(correction=0))
+    tensors[name] = wide.to(table.dtype).contiguous()
+    partial = dst.with_name(dst.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"))
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    info = {"source": str(src), "token_id": token_id, "scale": scale, "seed": seed, "tensors": [name]}
+    (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    if dst.exists():
+        shutil.rmtree(dst)
+    partial.rename(dst)
+    return info
