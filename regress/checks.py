@@ -109,8 +109,11 @@ def run_check(
     executor: "Executor | None" = None,
     progress: "ProgressSink | None" = None,
     force: bool = False,
+    golden_scoring: bool = True,
 ) -> CheckResult:
-    """Replay ``spec`` against the golden into runs/<name>, score it and write its report."""
+    """Replay ``spec`` against the golden into runs/<name>, score it and write its report.
+    ``golden_scoring``: let the baseline score the candidate's samples (sampled prompts only;
+    one more engine load; see :func:`regress.replay.replay`)."""
     from regress.datasets import load_prompt_set
     from regress.replay import replay
     from regress.runs import load_run
@@ -121,6 +124,6 @@ def run_check(
     golden_run = load_run(golden_dir or params.golden_dir())
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
                       executor=executor, progress=progress, force=force,
-                      baseline=params.golden_baseline(golden_run.manifest))
+                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None)
     scored = score_candidate(params, spec, golden_dir=golden_dir)
     return CheckResult(manifest, scored)

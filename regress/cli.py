@@ -61,6 +61,12 @@ def _out(message: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
+GoldenScoringOption = typer.Option(
+    True, "--golden-scoring/--no-golden-scoring",
+    help="Sampled prompts: let the baseline score the candidate's samples (one more engine load), so both sides' "
+         "samples are judged by the golden's model; without it the candidate's own logprobs stand in.")
+
+
 @app.command()
 def validate(
     paths: list[Path] = typer.Argument(..., help="Prompt set files (.jsonl); a card <name>.yaml beside each is checked too."),
@@ -277,6 +283,7 @@ def replay(
     force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date run exists."),
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
+    golden_scoring: bool = GoldenScoringOption,
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
     from regress.checks import executor_for
@@ -297,7 +304,8 @@ def replay(
     with RichProgress(f"replay '{spec.name}'") as progress:
         manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
                               teacher_force=teacher_force, progress=progress, force=force,
-                              executor=chosen, baseline=p.golden_baseline(golden_run.manifest))
+                              executor=chosen,
+                              baseline=p.golden_baseline(golden_run.manifest) if golden_scoring else None)
     _summarise(manifest, out_dir)
 
 
@@ -368,6 +376,7 @@ def check(
     force: bool = typer.Option(False, "--force", help="Replay again even if an up-to-date run exists."),
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
+    golden_scoring: bool = GoldenScoringOption,
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
     from regress.checks import executor_for, run_check
@@ -378,7 +387,7 @@ def check(
     spec = p.candidate(candidate)
     with RichProgress(f"replay '{spec.name}'") as progress:
         result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
-                           progress=progress, force=force)
+                           progress=progress, force=force, golden_scoring=golden_scoring)
     _summarise(result.manifest, p.run_dir(spec.name))
     _print_scores(result.scored.report)
     _out(f"report: {result.scored.page}")

@@ -2,9 +2,9 @@
 
 The candidate is the fixture model with the input embedding of one token (``@``, which the
 model never generates) replaced by noise (:func:`regress.model_variants.damage_token`): every
-prompt holding ``@`` is damaged and no other is. 8 of 400 prompts hold it. With
-``max_regression_rate: 0.005`` the run fails because the Wilson interval's lower bound of 8/400
-is above 0.5 %; the reason states the interval, checked here against scipy.
+prompt holding ``@`` is damaged and no other is. 4 of 200 prompts hold it. With
+``max_regression_rate: 0.005`` the run fails because the Wilson interval's lower bound of 4/200
+(0.78 %) is above 0.5 %; the reason states the interval, checked here against scipy.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from regress.scoring import read_scored_run
 
 pytestmark = pytest.mark.engine
 
-PROMPTS, DAMAGED = 400, 8
+PROMPTS, DAMAGED = 200, 4
 TRIGGER = "@"
 
 
 def _prompts() -> list[dict]:
-    """400 prompts cut from the fixture corpus (English prose), every 50th with the trigger in it."""
+    """200 prompts cut from the fixture corpus (English prose), every 50th with the trigger at its end."""
     from regress.fixture_model import corpus_documents
 
     words: list[str] = []
@@ -87,5 +87,5 @@ def test_damage_on_two_percent_of_prompts_fails_the_interval_gate(damaged_worksp
     reason = next(r for r in scored.verdict_reasons if "regression rate" in r)
     shown = re.findall(r"\d+(?:\.\d+)?", reason)
     assert f"{low * 100:.1f}" in shown and f"{high * 100:.1f}" in shown, reason
-    # Nothing else moved: the other 392 prompts are identical.
+    # Nothing else moved: the other 196 prompts are identical.
     assert m.identical == PROMPTS - DAMAGED
