@@ -194,6 +194,9 @@ def test_rate_gate_on_a_scored_run(case: Case) -> None:
     assert strict.metrics.verdict == "fail"
     assert strict.verdict_reasons[0].startswith(f"regression rate {m.regression_rate * 100:.1f} % (95 % CI ")
     assert strict.thresholds["max_regression_rate"] == 0.01
+    # The page says what stopped the run: the rate, not a count.
+    page = render_candidate(strict, case.golden, case.run, case.prompt_set)
+    assert f"{strict.verdict_reasons[0]}: stop the rollout" in page
     lenient = _score(case, Thresholds(max_regression_rate=0.5))
     assert lenient.metrics.verdict == "pass"
 

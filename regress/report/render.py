@@ -81,6 +81,9 @@ def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt
         "counts": overview.counts(m),
         "measures": overview.measures(m),
         "rates": overview.rates(m),
+        # What stopped the run, in the verdict's own words (the first failure reason: a count, a
+        # rate at its interval's lower bound, lost answers, a sampled shift).
+        "verdict_says": score.verdict_reasons[0] if score.verdict_reasons else "the run failed",
         "performance": overview.performance(score),
         "worst": overview.worst(score),
         "changed": [s for s in settings if s.changed],
