@@ -395,6 +395,44 @@ def check(
         raise typer.Exit(EXIT_REGRESSION)
 
 
+@app.command("diff")
+def diff_command(
+    candidate: str = typer.Argument(..., help="Candidate name from params.yaml."),
+    baseline: str = typer.Option("baseline", "--against", "-a", help="Compare with this candidate (default: the baseline)."),
+    params: Path = ParamsOption,
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Print the settings that differ between two candidates and can change outputs, by source of
+    drift (input, input defaults, scheduling and batching, kernels and precision, sampling, model,
+    engine), read from params.yaml and the model and tokenizer files: no engine starts."""
+    import json as _json
+
+    from regress.config import load_params
+    from regress.effective import MITIGATION, WHY, differences, template_lines
+
+    p = load_params(params)
+    a, b = p.candidate(baseline), p.candidate(candidate)
+    found = differences(a, b)
+    where = template_lines(a, b)
+    if as_json:
+        rows = [{"source": d.source, "setting": d.name, "baseline": d.baseline, "candidate": d.candidate}
+                for d in found]
+        _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": rows,
+                          "chat_template_first_difference": list(where) if where else None}, indent=2))
+        return
+    if not found:
+        _out(f"'{b.name}' and '{a.name}': no setting differs that regress can read before running "
+             "(what only an engine knows is in each run's manifest)")
+        return
+    _out(f"'{b.name}' against '{a.name}': {len(found)} setting(s) differ")
+    for source in dict.fromkeys(d.source for d in found):
+        _out(f"\n{source}: {WHY[source]}\n  mitigation: {MITIGATION[source]}")
+        for d in (d for d in found if d.source == source):
+            _out(f"  {d.name}: {d.baseline} -> {d.candidate}")
+        if source == "input" and where:
+            _out(f"  chat template line {where[0]}: {where[1]!r} -> {where[2]!r}")
+
+
 @app.command()
 def report(
     candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to render (default: every scored one)."),

@@ -1,0 +1,221 @@
+"""A candidate's effective configuration, read without starting an engine, and the differences
+between two candidates that can change outputs (``regress diff``).
+
+Drift has four sources (the field guide this project grew from): the input (tokenizer, chat
+template, special tokens, and the defaults a model ships in ``generation_config.json`` that an
+engine applies to what a request leaves unset), scheduling and batching, kernels and precision,
+and sampling randomness; beyond them, the model itself (weights, quantization). Every setting
+read here is filed under the source it belongs to, so a difference says where to look before
+anything runs. What only an engine knows (the token ids it renders, the sampling it applied) is
+in each run's manifest and the report's configuration table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from regress.records import CandidateSpec
+
+Source = Literal["input", "input defaults", "scheduling and batching", "kernels and precision", "sampling", "model",
+                 "engine"]
+SOURCES: tuple[Source, ...] = ("input", "input defaults", "scheduling and batching", "kernels and precision",
+                               "sampling", "model", "engine")
+
+WHY: dict[Source, str] = {
+    "input": "the prompt's token ids can change: tokenization, chat template or special tokens",
+    "input defaults": "an engine applies a model's generation_config defaults to what a request leaves unset",
+    "scheduling and batching": "a request can compute differently with what it is batched with",
+    "kernels and precision": "other kernels or dtypes round differently (near-ties flip)",
+    "sampling": "another sampler or seed draws other tokens",
+    "model": "other weights: every output may change",
+    "engine": "another engine build or setting",
+}
+MITIGATION: dict[Source, str] = {
+    "input": "pin the tokenizer and chat template (chat_template:) and check the prompt token ids",
+    "input defaults": "set every sampling parameter explicitly (regress does) or override generation_config",
+    "scheduling and batching": "fixed batch sizes, batch-invariant kernels (VLLM_BATCH_INVARIANT=1), or measure the noise floor",
+    "kernels and precision": "higher precision for checks (float32), the same KV-cache dtype, eager vs compiled on both sides",
+    "sampling": "explicit sampling parameters and seeds",
+    "model": "expected for a quantization: judge it by the teacher-forced measures",
+    "engine": "pin the engine version",
+}
+
+# Engine arguments by the source of drift they touch; the rest are "engine".
+ENGINE_ARG_SOURCES: dict[str, Source] = {
+    "kv_cache_dtype": "kernels and precision", "enforce_eager": "kernels and precision",
+    "compilation_config": "kernels and precision", "calculate_kv_scales": "kernels and precision",
+    "enable_prefix_caching": "scheduling and batching", "enable_chunked_prefill": "scheduling and batching",
+    "max_num_seqs": "scheduling and batching", "max_num_batched_tokens": "scheduling and batching",
+    "async_scheduling": "scheduling and batching",
+    "max_model_len": "input", "tokenizer_mode": "input", "skip_tokenizer_init": "input",
+    "generation_config": "input defaults", "override_generation_config": "input defaults",
+    "seed": "sampling",
+}
+ENV_SOURCES: dict[str, Source] = {"VLLM_BATCH_INVARIANT": "scheduling and batching"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "special_tokens_map.json")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "max_new_tokens", "do_sample", "eos_token_id", "bos_token_id", "pad_token_id")
+MODEL_CONFIG_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size",
+                     "tie_word_embeddings", "rope_theta", "rope_scaling")
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One setting of a candidate as it takes effect, filed under a source of drift."""
+
+    source: Source
+    name: str
+    value: str
+    """Shown form (JSON for structures, ``-`` when not set)."""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A setting that differs between two candidates."""
+
+    source: Source
+    name: str
+    baseline: str
+    candidate: str
+
+    @property
+    def why(self) -> str:
+        return WHY[self.source]
+
+    @property
+    def mitigation(self) -> str:
+        return MITIGATION[self.source]
+
+
+UNSET = "-"
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return UNSET
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _sha(path: Path) -> str | None:
+    try:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def chat_template(spec: CandidateSpec, model_dir: Path | None) -> str | None:
+    """The chat template a candidate renders ``messages`` with: its own ``chat_template`` file, else
+    the model's ``chat_template.jinja``, else ``tokenizer_config.json``'s."""
+    if spec.chat_template:
+        try:
+            return Path(spec.chat_template).read_text(encoding="utf-8")
+        except OSError:
+            return None
+    if model_dir is None:
+        return None
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    value = _json(model_dir / "tokenizer_config.json").get("chat_template")
+    return value if isinstance(value, str) else (_shown(value) if value else None)
+
+
+def _local(path: str | None) -> Path | None:
+    if not path:
+        return None
+    p = Path(path)
+    return p if p.is_dir() else None
+
+
+def effective_config(spec: CandidateSpec) -> list[Fact]:
+    """What a candidate will run with, read from params and its model and tokenizer directories
+    (a hub id that is not a local directory gives what params say only)."""
+    facts: list[Fact] = []
+
+    def add(source: Source, name: str, value: Any) -> None:
+        facts.append(Fact(source, name, _shown(value)))
+
+    add("engine", "package", spec.package)
+    add("engine", "backend", spec.backend)
+    for key, value in sorted(spec.env.items()):
+        add(ENV_SOURCES.get(key, "engine"), f"env {key}", value)
+    for key, value in sorted(spec.engine_args.items()):
+        add(ENGINE_ARG_SOURCES.get(key, "engine"), f"engine_args.{key}", value)
+    add("kernels and precision", "dtype", spec.dtype)
+    add("model", "quantization", spec.quantization)
+    add("model", "model", spec.model)
+    add("model", "revision", spec.revision)
+    for key, value in sorted(spec.sampling.set_fields().items()):
+        add("sampling", f"sampling.{key}", value)
+
+    model_dir = _local(spec.model)
+    tokenizer_dir = _local(spec.tokenizer) or model_dir
+    if model_dir is not None:
+        weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+        add("model", "weights sha256", {p.name: _sha(p) for p in weights} or None)
+        config = _json(model_dir / "config.json")
+        for key in MODEL_CONFIG_KEYS:
+            if key in config:
+                add("model", f"config.{key}", config[key])
+        add("model", "config.quantization_config", config.get("quantization_config"))
+        add("kernels and precision", "config.torch_dtype", config.get("torch_dtype", config.get("dtype")))
+        add("input", "config.max_position_embeddings", config.get("max_position_embeddings"))
+        generation = _json(model_dir / "generation_config.json")
+        for key in GENERATION_KEYS:
+            add("input defaults", f"generation_config.{key}", generation.get(key))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                add("input", f"tokenizer file {name}", _sha(tokenizer_dir / name))
+        tokenizer_config = _json(tokenizer_dir / "tokenizer_config.json")
+        special_map = _json(tokenizer_dir / "special_tokens_map.json")
+        for key in SPECIAL_TOKENS:
+            add("input", f"special token {key}", tokenizer_config.get(key, special_map.get(key)))
+        add("input", "tokenizer_config.model_max_length", tokenizer_config.get("model_max_length"))
+        add("input", "tokenizer_config.add_bos_token", tokenizer_config.get("add_bos_token"))
+    template = chat_template(spec, model_dir)
+    add("input", "chat template sha256",
+        hashlib.sha256(template.encode("utf-8")).hexdigest()[:16] if template is not None else None)
+    return facts
+
+
+def differences(baseline: CandidateSpec, candidate: CandidateSpec) -> list[Difference]:
+    """Every setting whose effective value differs, ordered by source (input first) then name."""
+    a = {(f.source, f.name): f.value for f in effective_config(baseline)}
+    b = {(f.source, f.name): f.value for f in effective_config(candidate)}
+    out = [Difference(source, name, a.get((source, name), UNSET), b.get((source, name), UNSET))
+           for source, name in set(a) | set(b) if a.get((source, name), UNSET) != b.get((source, name), UNSET)]
+    return sorted(out, key=lambda d: (SOURCES.index(d.source), d.name))
+
+
+def template_lines(baseline: CandidateSpec, candidate: CandidateSpec) -> tuple[int, str, str] | None:
+    """Where two chat templates first differ: (line number, baseline's line, candidate's line)."""
+    a, b = chat_template(baseline, _local(baseline.model)), chat_template(candidate, _local(candidate.model))
+    if a is None or b is None or a == b:
+        return None
+    la, lb = a.splitlines(keepends=True), b.splitlines(keepends=True)  # a newline is a difference too
+    for i in range(max(len(la), len(lb))):
+        x, y = (la[i] if i < len(la) else ""), (lb[i] if i < len(lb) else "")
+        if x != y:
+            return i + 1, x, y
+    return None

