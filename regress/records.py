@@ -296,6 +296,10 @@ class CandidateSpec(_Strict):
     """Environment variables for the engine process (e.g. VLLM_BATCH_INVARIANT=1)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling defaults of this deployment (the prompt set's defaults override them)."""
+    allow_input_drift: bool = Field(False, exclude_if=lambda v: not v)
+    """Accept prompts whose input tokens changed (a new tokenizer or chat template rolled out on
+    purpose): they are reported, not failing. Left out of the stored form when False, so plans
+    and runs made before it keep their fingerprints."""
 
     @field_validator("name")
     @classmethod

@@ -224,7 +224,8 @@ def score_runs(
     from regress.stats import run_stats  # interval statistics (scipy, imported on first use)
 
     stats = run_stats(counts, answers, t.confidence)
-    verdict, verdict_reasons = run_verdict(counts, t, answers=answers, stats=stats)
+    verdict, verdict_reasons = run_verdict(counts, t, answers=answers, stats=stats,
+                                           allow_input_drift=run.manifest.candidate.allow_input_drift)
     sampled_failure, sampled_note = run_shift(scores, t)
     if sampled_failure:
         verdict_reasons = [sampled_failure] + (verdict_reasons if verdict == "fail" else verdict_reasons[1:])

@@ -192,7 +192,8 @@ def near_tie(values: Mapping[str, Any], t: Any) -> bool:
 def classify(values: dict[str, MetricValue], t: Any) -> tuple[PromptClass, list[str]]:
     """Class of one prompt from its metric values, with the reasons."""
     if values.get("input_drift"):
-        return "input_drift", ["prompt token ids differ from the golden's (tokenizer or chat template changed)"]
+        return "input_drift", ["prompt token ids differ from the golden's (tokenizer or chat template changed)",
+                               *_outputs_of_input_drift(values)]
     if values.get("identical"):
         return "identical", []
 
@@ -223,6 +224,18 @@ def classify(values: dict[str, MetricValue], t: Any) -> tuple[PromptClass, list[
         return "drift", not_benign
     d = values.get("first_divergence")
     return "benign", [f"diverged at token {d} at a near-tie and stayed close by every measure"]
+
+
+def _outputs_of_input_drift(values: Mapping[str, Any]) -> list[str]:
+    """What the outputs of a prompt whose input changed still say: token-by-token measures do not
+    apply, the text and meaning measures do (an expected answer is checked like any prompt's)."""
+    shown = []
+    for name, label in (("semantic_similarity", "semantic similarity"), ("rouge_l", "ROUGE-L"),
+                        ("edit_distance", "edit distance")):
+        value = number(values.get(name))
+        if value is not None:
+            shown.append(f"{label} {value:.2f}")
+    return [f"outputs: {', '.join(shown)}"] if shown else []
 
 
 def severity(values: Mapping[str, Any], t: Any) -> float:
@@ -257,8 +270,13 @@ def count_gate(t: Any) -> bool:
 
 def run_verdict(counts: dict[str, int], t: Any, *,
                 answers: Mapping[str, Any] | None = None,
-                stats: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+                stats: Mapping[str, Any] | None = None,
+                allow_input_drift: bool = False) -> tuple[str, list[str]]:
     """``pass`` or ``fail`` for the run, with reasons.
+
+    Prompts whose input tokens changed (``input_drift``: tokenizer, chat template, special tokens)
+    fail the run unless the candidate sets ``allow_input_drift: true``: the candidate was asked
+    another question, which is a change to roll out knowingly, not noise.
 
     ``answers`` holds the expected-answer counts under their RunMetrics names
     (``answer_prompts``, ``golden_answers_correct``, ``answers_correct``, ``answer_flips_lost``,
@@ -284,6 +302,10 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     answer_failure = _answers_fail(answers, t)
     if answer_failure:
         failures.append(answer_failure)
+    drifted = counts.get("input_drift", 0)
+    if drifted and not allow_input_drift:
+        failures.append(f"{drifted} prompt(s) changed their input tokens (tokenizer, chat template or special tokens; "
+                        "`regress diff` names what differs): set allow_input_drift: true on the candidate to accept it")
     notes = _answer_notes(answers, t, failed=bool(answer_failure), stats=stats)
     if failures:
         return "fail", failures + notes
@@ -292,8 +314,8 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     else:
         reasons = [f"{regressions} regression(s) (the count does not gate: max_regression_rate is set)"]
     reasons += passes
-    if counts.get("input_drift"):
-        reasons.append(f"{counts['input_drift']} prompt(s) changed their input tokens: check the tokenizer / chat template")
+    if drifted:
+        reasons.append(f"{drifted} prompt(s) changed their input tokens, accepted (allow_input_drift: true)")
     return "pass", reasons + notes
 
 

