@@ -54,3 +54,19 @@ def test_the_count_of_input_drift_alone_decides() -> None:
     assert run_verdict({"regression": 0, "input_drift": 2}, t)[0] == "fail"
     assert run_verdict({"regression": 0, "input_drift": 2}, t, allow_input_drift=True)[0] == "pass"
     assert run_verdict({"regression": 0, "input_drift": 0}, t)[0] == "pass"
+
+
+def test_junit_fails_input_drift_prompts_unless_accepted(case: Case) -> None:
+    import xml.etree.ElementTree as ET
+
+    from regress.report.junit import junit_xml
+
+    for allow, tag in ((False, "failure"), (True, "skipped")):
+        scored = _score(case, allow=allow)
+        root = ET.fromstring(junit_xml(scored))
+        drifted = {s.prompt_id for s in scored.scores if s.prompt_class == "input_drift"}
+        for tc in root.iter("testcase"):
+            if tc.get("name") in drifted:
+                assert tc.find(tag) is not None, (allow, tc.get("name"))
+                if tag == "failure":
+                    assert tc.find(tag).get("type") == "input_drift"

@@ -1,6 +1,8 @@
 """``junit.xml``: one test case per prompt, a failure per regression, for CI test views.
 
-input_drift prompts are ``skipped`` (not comparable token by token); drift and benign prompts
+input_drift prompts fail (``type="input_drift"``: they fail the run) unless the candidate
+accepts input drift (``allow_input_drift: true``), then they are ``skipped`` (not comparable
+token by token); drift and benign prompts
 pass, with their class and reasons in ``system-out``. A prompt that lost its expected answer
 (golden correct, candidate not) fails too, like a regression: ``type="answer_lost"`` (or
 ``regression`` when it is one as well), the lost answer as the message.
@@ -54,8 +56,13 @@ def junit_xml(score: ScoredRun) -> str:
     m = score.metrics
     shown = shown_metrics()
     name = f"regress.{m.candidate}"
-    failures = sum(1 for s in score.scores if s.prompt_class == "regression" or _answer_lost(s))
-    skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not _answer_lost(s))
+    accepted = score.run.candidate.allow_input_drift
+
+    def fails(s: PromptScore) -> bool:
+        return s.prompt_class == "regression" or _answer_lost(s) or (s.prompt_class == "input_drift" and not accepted)
+
+    failures = sum(1 for s in score.scores if fails(s))
+    skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not fails(s))
     suites = ET.Element("testsuites", name="regress", tests=str(m.prompts), failures=str(failures),
                         errors="0", skipped=str(skipped))
     suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(m.prompts),
@@ -75,8 +82,8 @@ def junit_xml(score: ScoredRun) -> str:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
         detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
                             f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics, shown)])
-        if s.prompt_class == "regression" or _answer_lost(s):
-            kind = "regression" if s.prompt_class == "regression" else "answer_lost"
+        if fails(s):
+            kind = s.prompt_class if s.prompt_class in ("regression", "input_drift") else "answer_lost"
             failure = ET.SubElement(case, "failure", message=xml_text(s.reasons[0] if s.reasons else kind), type=kind)
             failure.text = xml_text(detail)
         elif s.prompt_class == "input_drift":
