@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from regress.records import CandidateSpec
+from regress.storage import sha256_file
 
 Source = Literal["input", "input defaults", "scheduling and batching", "kernels and precision", "sampling", "model",
                  "engine"]
@@ -113,12 +114,9 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def _sha(path: Path) -> str | None:
+    """A file's sha256, shortened for display (None if unreadable)."""
     try:
-        h = hashlib.sha256()
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()[:16]
+        return sha256_file(path)[0][:16]
     except OSError:
         return None
 

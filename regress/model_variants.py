@@ -24,7 +24,7 @@ def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: fl
     """
     try:
         import torch
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
     except ImportError as exc:
         raise MissingDependencyError("perturbing a model needs torch and safetensors (pip install torch safetensors)") from exc
     src, dst = Path(src), Path(dst)
@@ -46,17 +46,7 @@ def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: fl
         wide = t.to(torch.float64)
         noise = torch.from_numpy(rng.standard_normal(tuple(t.shape))) * scale * float(wide.std(correction=0))
         tensors[name] = (wide + noise).to(t.dtype).contiguous()
-    partial = dst.with_name(dst.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"))
-    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    info = {"source": str(src), "layer": layer, "scale": scale, "seed": seed, "tensors": names}
-    (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-    if dst.exists():
-        shutil.rmtree(dst)
-    partial.rename(dst)
-    return info
+    return _write_variant(src, dst, tensors, {"layer": layer, "scale": scale, "seed": seed, "tensors": names})
 
 
 def damage_token(src: str | Path, dst: str | Path, *, token_id: int, scale: float = 30.0, seed: int = 0) -> dict:
@@ -69,7 +59,7 @@ def damage_token(src: str | Path, dst: str | Path, *, token_id: int, scale: floa
     """
     try:
         import torch
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
     except ImportError as exc:
         raise MissingDependencyError("damaging a model needs torch and safetensors (pip install torch safetensors)") from exc
     import numpy as np
@@ -89,14 +79,23 @@ def damage_token(src: str | Path, dst: str | Path, *, token_id: int, scale: floa
     rng = np.random.default_rng(seed)
     wide[token_id] = torch.from_numpy(rng.standard_normal(table.shape[1])) * scale * float(wide.std(correction=0))
     tensors[name] = wide.to(table.dtype).contiguous()
+    return _write_variant(src, dst, tensors, {"token_id": token_id, "scale": scale, "seed": seed, "tensors": [name]})
+
+
+def _write_variant(src: Path, dst: Path, tensors: dict, change: dict) -> dict:
+    """Write ``src``'s files with ``tensors`` as its weights to ``dst`` (through ``dst.partial``,
+    renamed into place), and what changed as ``dst/perturbation.json``; returns that record."""
+    from safetensors.torch import save_file
+
     partial = dst.with_name(dst.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
     shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"))
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    info = {"source": str(src), "token_id": token_id, "scale": scale, "seed": seed, "tensors": [name]}
+    info = {"source": str(src), **change}
     (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     if dst.exists():
         shutil.rmtree(dst)
     partial.rename(dst)
     return info
+

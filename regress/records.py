@@ -136,6 +136,19 @@ class ResolvedSampling(_Strict):
 
 MAX_SAMPLES = 1000
 """Most samples one prompt may ask for."""
+SAMPLE_SEPARATOR = "#"
+"""Between a sampled prompt's id and its sample number in the ids its samples are stored under
+(``qa-007#0`` ... ``qa-007#7``)."""
+
+
+def sample_id(prompt_id: str, k: int) -> str:
+    """The id sample ``k`` of a sampled prompt is stored under."""
+    return f"{prompt_id}{SAMPLE_SEPARATOR}{k}"
+
+
+def prompt_of_sample(entry_id: str) -> str:
+    """The prompt id of a sample's stored id (``qa-007#3`` -> ``qa-007``)."""
+    return entry_id.rsplit(SAMPLE_SEPARATOR, 1)[0]
 
 
 class Message(_Strict):

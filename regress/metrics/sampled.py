@@ -42,6 +42,7 @@ import numpy as np
 
 from regress.metrics.base import SEMANTIC_MODEL, Aggregate, Output, Pair, Rule, Setting, Values, metric
 from regress.metrics.spec import Findings
+from regress.records import prompt_of_sample
 
 SAMPLED_BENIGN_SHIFT = Setting(
     "sampled_benign_shift", 0.15, ge=0,
@@ -144,11 +145,6 @@ def sample_of(pair: Pair) -> tuple[int, int] | None:
     if not n:
         return None
     return int(data.get("sample") or 0), int(n)
-
-
-def base_id(entry_id: str, pair: Pair | None = None) -> str:
-    """The prompt id of a sample's entry id (``qa-007#3`` -> ``qa-007``)."""
-    return entry_id.rsplit("#", 1)[0]
 
 
 def _mean_logprob(track: Any) -> float | None:
@@ -257,7 +253,7 @@ def sampled(model: str | None = None, encoder: Any = None, cache_dir: Any = None
         groups: dict[str, list[int]] = {}
         for i, pair in enumerate(pairs):
             if sample_of(pair) is not None:
-                groups.setdefault(base_id(pair.prompt_id), []).append(i)
+                groups.setdefault(prompt_of_sample(pair.prompt_id), []).append(i)
         for rows in groups.values():
             rows.sort(key=lambda i: sample_of(pairs[i])[0])  # type: ignore[index]
             values = group_values([pairs[i] for i in rows], similarity)
@@ -336,7 +332,7 @@ def prompt_units(pairs: list[Pair], values: list[dict[str, Any]]) -> list[Prompt
         if sample_of(pair) is None:
             units.append(PromptUnit(pair.prompt_id, [pair], values[i]))
             continue
-        pid = base_id(pair.prompt_id)
+        pid = prompt_of_sample(pair.prompt_id)
         if pid not in open_groups:
             open_groups[pid] = len(units)
             units.append(PromptUnit(pid, [], {}))

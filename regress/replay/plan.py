@@ -17,7 +17,8 @@ from typing import Any
 from regress.datasets import PromptSet
 from regress.engine.protocol import PromptInput, TeacherForcePair
 from regress.errors import ConfigError
-from regress.records import FORMAT_VERSION, CandidateSpec, ResolvedSampling, ShardInfo, ShardLayout
+from regress.records import (FORMAT_VERSION, SAMPLE_SEPARATOR, CandidateSpec, ResolvedSampling, ShardInfo,
+                             ShardLayout, sample_id)
 from regress.runs import RunResult
 
 DEFAULT_SHARD_SIZE = 64
@@ -41,16 +42,6 @@ def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec) -> list[Re
         ResolvedSampling.resolve(candidate.sampling, prompt_set.card.defaults, p.sampling)
         for p in prompt_set.prompts
     ]
-
-
-SAMPLE_SEPARATOR = "#"
-"""Between a sampled prompt's id and its sample number in the ids its samples are stored under
-(``qa-007#0`` ... ``qa-007#7``)."""
-
-
-def sample_id(prompt_id: str, k: int) -> str:
-    """The id sample ``k`` of a sampled prompt is stored under."""
-    return f"{prompt_id}{SAMPLE_SEPARATOR}{k}"
 
 
 def sample_seed(prompt_id: str, k: int, seed: int) -> int:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from regress.metrics import output_specs
 from regress.metrics.spec import Output, headline
-from regress.records import PromptScore, ScoredRun
+from regress.records import PromptScore, ScoredRun, sample_id
 from regress.runs import RunResult, join_pieces
 from regress.verdict import Thresholds, severity
 
@@ -282,8 +282,6 @@ SAMPLES_SHOWN = 16
 def _samples(s: PromptScore, golden: RunResult, run: RunResult, cap: int) -> dict[str, Any]:
     """``sm``: [[golden text, candidate text], ...] of a sampled prompt's samples (each capped), and
     ``sm0``, how many more there are."""
-    from regress.replay.plan import sample_id
-
     n = int(s.metrics.get("samples") or 0)
     per = max(cap // 4, TOKEN_TEXT_CAP * 4)
     rows = []
