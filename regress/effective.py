@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from regress.errors import ConfigError
 from regress.records import CandidateSpec
 from regress.storage import sha256_file
 
@@ -64,6 +65,66 @@ GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "frequency_penalty", "max_new_tokens", "do_sample", "eos_token_id", "bos_token_id", "pad_token_id")
 MODEL_CONFIG_KEYS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size",
                      "tie_word_embeddings", "rope_theta", "rope_scaling")
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+NO_MODEL_DEFAULTS = "vllm"
+"""``generation_config`` value meaning: no model defaults (regress's built-in ones)."""
+MODEL_DEFAULTS = "auto"
+"""``generation_config`` value meaning: the model directory's own generation_config.json."""
+GENERATION_SAMPLING_KEYS: dict[str, str] = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+}
+"""generation_config.json keys regress applies, and the sampling field each fills."""
+_SAMPLER_KEYS = ("temperature", "top_p", "top_k")
+
+
+def generation_config_dir(spec: CandidateSpec) -> Path | None:
+    """The directory whose generation_config.json a candidate's ``generation_config`` names (None
+    for ``vllm``). Raises :class:`ConfigError` naming the candidate and field when it is not a
+    local directory (a hub id: regress reads only local files)."""
+    setting = spec.generation_config
+    if setting == NO_MODEL_DEFAULTS:
+        return None
+    if setting == MODEL_DEFAULTS:
+        directory, what = spec.model, f"its model '{spec.model}'"
+    else:
+        directory, what = setting, f"'{setting}'"
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"candidate '{spec.name}': generation_config {setting!r} needs a local directory, and {what} is not "
+            f"one (a hub id, or a directory that does not exist); use 'vllm' (no model defaults), 'auto' with a "
+            f"local model directory, or the path of a directory holding {GENERATION_CONFIG_FILE}",
+            field="generation_config")
+    return path
+
+
+def generation_defaults(spec: CandidateSpec) -> dict[str, Any]:
+    """The sampling defaults a candidate's ``generation_config`` supplies, as sampling fields
+    (``max_new_tokens`` becomes ``max_tokens``); empty for ``vllm`` and, as in vLLM, for ``auto``
+    with a model that has no generation_config.json. Keys regress has no field for are ignored,
+    and with ``do_sample: false`` the sampler keys (temperature, top_p, top_k) are too, since
+    transformers would not sample (vLLM applies them regardless: the one place regress differs)."""
+    directory = generation_config_dir(spec)
+    if directory is None:
+        return {}
+    path = directory / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        if spec.generation_config == MODEL_DEFAULTS:
+            return {}
+        raise ConfigError(f"candidate '{spec.name}': no {GENERATION_CONFIG_FILE} in {directory}",
+                          field="generation_config")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"candidate '{spec.name}': cannot read {path}: {exc}", field="generation_config") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"candidate '{spec.name}': {path} is not a JSON object", field="generation_config")
+    skip = _SAMPLER_KEYS if data.get("do_sample") is False else ()
+    return {field: data[key] for key, field in GENERATION_SAMPLING_KEYS.items()
+            if data.get(key) is not None and key not in skip}
 
 
 @dataclass(frozen=True)
@@ -165,6 +226,12 @@ def effective_config(spec: CandidateSpec) -> list[Fact]:
     add("model", "revision", spec.revision)
     for key, value in sorted(spec.sampling.set_fields().items()):
         add("sampling", f"sampling.{key}", value)
+    add("input defaults", "generation_config", spec.generation_config)
+    try:
+        applied: Any = generation_defaults(spec) or "none"
+    except ConfigError as exc:
+        applied = f"unreadable: {exc.message}"
+    add("input defaults", "model defaults applied", applied)
 
     model_dir = _local(spec.model)
     tokenizer_dir = _local(spec.tokenizer) or model_dir

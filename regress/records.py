@@ -313,6 +313,12 @@ class CandidateSpec(_Strict):
     """Accept prompts whose input tokens changed (a new tokenizer or chat template rolled out on
     purpose): they are reported, not failing. Left out of the stored form when False, so plans
     and runs made before it keep their fingerprints."""
+    generation_config: str = Field("vllm", min_length=1, exclude_if=lambda v: v == "vllm")
+    """Which model defaults fill the sampling fields no layer sets, as vLLM's ``--generation-config``:
+    ``vllm`` (none: regress's built-in defaults), ``auto`` (the model directory's
+    ``generation_config.json``) or a local directory holding a ``generation_config.json``. Applied
+    just above the built-in defaults, below ``sampling`` (:func:`regress.effective.generation_defaults`).
+    Left out of the stored form when ``vllm``, so plans and runs made before it keep their fingerprints."""
 
     @field_validator("name")
     @classmethod
@@ -515,6 +521,82 @@ class ShardFile(_Record):
     (None: the shard carries none)."""
 
 
+class AppliedSampling(_Record):
+    """One distinct resolved sampling of a run and the engine's sampling parameters built from it."""
+
+    sampling: dict[str, Any]
+    """The resolved sampling regress sent (:class:`ResolvedSampling` fields)."""
+    applied: dict[str, Any]
+    """The engine's own parameters after construction (vLLM ``SamplingParams`` fields, which
+    normalize some values: greedy decoding resets top_p, top_k and min_p, for one)."""
+
+
+class TokenizerFacts(_Record):
+    """The tokenizer as the engine loaded it."""
+
+    class_name: str | None = None
+    """Class of the tokenizer object (``Qwen2TokenizerFast``, vLLM's cached wrapper, ...)."""
+    vocab_size: int | None = None
+    """Number of token ids, added tokens included (``len(tokenizer)``)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_id: int | None = None
+    """End-of-sequence token id."""
+    chat_template_sha256: str | None = None
+    """sha256 of the chat template ``messages`` prompts are rendered with (the candidate's
+    ``chat_template`` file, else the tokenizer's); None when there is none."""
+
+
+class EffectiveConfig(_Record):
+    """The configuration as the engine applied it, read from the engine's own objects after loading.
+
+    What params ask for and what an engine does can differ (a default filled in, a setting
+    normalized, a feature switched off on this platform); this is what it did. Every field is
+    None (or empty) when the backend cannot tell or the setting does not apply to it; manifests
+    written before it have no ``effective`` at all."""
+
+    dtype: str | None = None
+    """Weight and activation dtype in use."""
+    quantization: str | None = None
+    """Quantization method in use."""
+    kv_cache_dtype: str | None = None
+    """KV-cache dtype (vLLM ``cache_config.cache_dtype``; ``auto`` = the model dtype)."""
+    max_model_len: int | None = None
+    """Context length the engine allows."""
+    enforce_eager: bool | None = None
+    """Whether the engine runs eager (no compiled graphs)."""
+    compilation_mode: str | None = None
+    """vLLM ``compilation_config.mode`` (or ``level`` on versions without ``mode``)."""
+    enable_prefix_caching: bool | None = None
+    """Whether cached prefixes are reused across requests."""
+    enable_chunked_prefill: bool | None = None
+    """Whether long prompts are prefilled in chunks."""
+    max_num_seqs: int | None = None
+    """Most requests scheduled together."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens in one scheduler step."""
+    batch_invariant: bool | None = None
+    """Whether batch-invariant kernels are on (vLLM ``VLLM_BATCH_INVARIANT``)."""
+    attention: str | None = None
+    """Attention implementation or backend, where the engine names it (hf: ``attn_implementation``)."""
+    engine_generation_defaults: dict[str, Any] | None = None
+    """The model defaults the engine itself would apply to a request that leaves a field unset
+    (vLLM ``model_config.get_diff_sampling_param()``). regress sets every field, so these apply
+    only through ``generation_config``."""
+    generation_config: str | None = None
+    """The candidate's ``generation_config`` setting (``vllm``, ``auto`` or a directory)."""
+    generation_defaults_applied: dict[str, Any] = Field(default_factory=dict)
+    """The defaults regress took from that generation_config.json (empty: none)."""
+    tokenizer: TokenizerFacts | None = None
+    """The tokenizer as loaded."""
+    sampling_applied: list[AppliedSampling] = Field(default_factory=list)
+    """Per distinct resolved sampling of the run (at most
+    :data:`regress.backends.base.MAX_SAMPLING_APPLIED`), the
+    engine's parameters built from it."""
+    sampling_applied_truncated: bool = False
+    """Whether the run had more distinct samplings than were recorded."""
+
+
 class RunManifest(_Record):
     """How a run was produced: written last, so a run without a manifest is incomplete."""
 
@@ -558,6 +640,8 @@ class RunManifest(_Record):
     """Every shard file's hash, size and stamps, in order (filled in by
     :func:`regress.runs.write_manifest`). None in manifests written before shard files were
     recorded: such a run still loads, its shards unverified."""
+    effective: EffectiveConfig | None = None
+    """The configuration as the engine applied it. None in manifests written before it existed."""
 
 
 # --------------------------------------------------------------------------------------

@@ -72,7 +72,9 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     def load(self) -> dict[str, Any]:
         """Load the model. Returns facts for the manifest: ``resolved_path``, ``revision``,
-        ``dtype``, ``quantization``, ``engine_args`` (as passed)."""
+        ``dtype``, ``quantization``, ``engine_args`` (as passed), and ``effective``: what the
+        engine applied, read back from it (:class:`regress.records.EffectiveConfig` fields, any
+        of them left out when the backend cannot tell)."""
 
     @abc.abstractmethod
     def get_tokenizer(self) -> Any:
@@ -94,6 +96,11 @@ class EngineBackend(abc.ABC):
     def close(self) -> None:
         """Release the engine."""
 
+    def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
+        """The engine's own sampling parameters for one resolved sampling, as the engine holds
+        them after construction (JSON values); None when the backend has no such object."""
+        return None
+
     def versions(self) -> dict[str, str | None]:
         """Versions of the software this backend runs on, recorded in the run's manifest
         (``None``: not installed). Subclasses add their engine's packages to these."""
@@ -102,6 +109,82 @@ class EngineBackend(abc.ABC):
     def render(self, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:
         """Token ids of a prompt payload (``{"prompt": str}`` or ``{"messages": [...]}``)."""
         return render_prompt(self.get_tokenizer(), payload, chat_template)
+
+
+MAX_SAMPLING_APPLIED = 20
+"""Most distinct samplings whose engine parameters a shard (and a manifest) records."""
+
+
+def sampling_key(sampling: dict[str, Any]) -> str:
+    """What makes two resolved samplings distinct for the record of the engine's parameters: every
+    field but a sample's number and seed (the samples of one prompt count once)."""
+    import json
+
+    return json.dumps({k: v for k, v in sampling.items() if k not in ("sample", "samples", "seed")},
+                      sort_keys=True, default=str)
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as plain JSON: enums by name, sets as sorted lists, other objects as text."""
+    import enum
+
+    if isinstance(value, enum.Enum):  # before int and str: IntEnum and StrEnum members are both
+        return value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((json_value(v) for v in value), key=str)
+    if hasattr(value, "item"):  # a numpy scalar
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            pass
+    return str(value)
+
+
+def tokenizer_facts(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """The tokenizer as loaded (:class:`regress.records.TokenizerFacts` fields); ``chat_template``
+    is the candidate's own template, else the tokenizer's is taken."""
+    import hashlib
+
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        template = None
+    try:
+        vocab_size: int | None = len(tokenizer)
+    except TypeError:
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+
+    def token_id(name: str) -> int | None:
+        value = getattr(tokenizer, name, None)
+        return value if isinstance(value, int) else None
+
+    # Engines wrap the tokenizer in classes of their own (vLLM's cached tokenizer): name the
+    # tokenizer's class, the first one not defined by the engine.
+    cls = next((c for c in type(tokenizer).__mro__ if not c.__module__.startswith("vllm")), type(tokenizer))
+    return {
+        "class_name": cls.__name__,
+        "vocab_size": vocab_size,
+        "bos_token_id": token_id("bos_token_id"),
+        "eos_token_id": token_id("eos_token_id"),
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest() if template else None,
+    }
+
+
+def read_chat_template(spec: dict[str, Any]) -> str | None:
+    """The candidate's own chat template file's text (None when it names none or it is unreadable)."""
+    path = spec.get("chat_template")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def distribution_versions(*names: str) -> dict[str, str | None]:

@@ -18,8 +18,14 @@ from regress.backends.base import (
     ProgressCallback,
     RawGeneration,
     distribution_versions,
+    json_value,
+    read_chat_template,
+    tokenizer_facts,
     top_k_rows,
 )
+
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
+"""Keys of the model's generation config that transformers falls back on for what a call leaves unset."""
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
 
@@ -46,13 +52,37 @@ class HFReferenceBackend(EngineBackend):
         except TypeError:  # transformers < 4.56 calls it torch_dtype
             model = AutoModelForCausalLM.from_pretrained(spec["model"], torch_dtype=dtype, **common)
         self._model = model.to(self._device).eval()
+        dtype_used = str(next(model.parameters()).dtype).replace("torch.", "")
         return {
             "resolved_path": str(getattr(model.config, "_name_or_path", spec["model"])),
             "revision": spec.get("revision"),
-            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "dtype": dtype_used,
             "quantization": None,
             "engine_args": {"device": self._device},
+            "effective": self._effective(dtype_used),
         }
+
+    def _effective(self, dtype: str) -> dict[str, Any]:
+        """What applies to transformers of the engine's configuration: dtype, attention, the
+        model's generation defaults, the tokenizer. Scheduling and KV-cache settings do not
+        (one prompt at a time, no cache sharing), so they stay None."""
+        generation = getattr(self._model, "generation_config", None)
+        defaults = None
+        if generation is not None:
+            try:
+                diff = generation.to_diff_dict()
+            except Exception:  # noqa: BLE001 - a fact we could not read must not fail the load
+                diff = {}
+            defaults = {k: diff[k] for k in _GENERATION_KEYS if diff.get(k) is not None}
+        config = getattr(self._model, "config", None)
+        attention = getattr(config, "_attn_implementation", None) or getattr(config, "attn_implementation", None)
+        return json_value({
+            "dtype": dtype,
+            "quantization": None,
+            "attention": attention,
+            "engine_generation_defaults": defaults,
+            "tokenizer": tokenizer_facts(self._tokenizer, read_chat_template(self.spec)),
+        })
 
     def get_tokenizer(self) -> Any:
         return self._tokenizer

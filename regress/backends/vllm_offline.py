@@ -18,7 +18,16 @@ from regress.backends.base import (
     ProgressCallback,
     RawGeneration,
     distribution_versions,
+    json_value,
+    read_chat_template,
+    tokenizer_facts,
 )
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "skip_special_tokens", "include_stop_str_in_output",
+                    "detokenize", "flat_logprobs")
+"""SamplingParams fields recorded in the manifest (those that exist in the installed version)."""
 
 
 def _progress_bar_class(progress: ProgressCallback) -> type:
@@ -76,7 +85,64 @@ class VllmOfflineBackend(EngineBackend):
             "dtype": str(model_config.dtype).replace("torch.", ""),
             "quantization": getattr(model_config, "quantization", None),
             "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+            "effective": self._effective(),
         }
+
+    def _effective(self) -> dict[str, Any]:
+        """What the engine applied, read back from its config objects. Attribute names moved
+        between vLLM releases, so every read is defensive: a missing one is left None."""
+        engine = self._llm.llm_engine
+        vllm_config = getattr(engine, "vllm_config", None)
+
+        def config(name: str) -> Any:
+            return getattr(engine, name, None) or getattr(vllm_config, name, None)
+
+        model, cache, scheduler, compilation = (config("model_config"), config("cache_config"),
+                                                config("scheduler_config"), config("compilation_config"))
+        mode = getattr(compilation, "mode", None)
+        if mode is None:
+            mode = getattr(compilation, "level", None)
+        attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        try:
+            import vllm.envs as vllm_envs
+
+            batch_invariant: bool | None = bool(vllm_envs.VLLM_BATCH_INVARIANT)
+        except (ImportError, AttributeError):
+            batch_invariant = None
+        defaults = None
+        if hasattr(model, "get_diff_sampling_param"):
+            try:
+                defaults = json_value(model.get_diff_sampling_param())
+            except Exception:  # noqa: BLE001 - a fact we could not read must not fail the load
+                defaults = None
+        try:
+            tokenizer = tokenizer_facts(self._llm.get_tokenizer(), read_chat_template(self.spec))
+        except Exception:  # noqa: BLE001 - as above (a model loaded without a tokenizer, for one)
+            tokenizer = None
+        return json_value({
+            "dtype": str(getattr(model, "dtype", "")).replace("torch.", "") or None,
+            "quantization": getattr(model, "quantization", None),
+            "kv_cache_dtype": getattr(cache, "cache_dtype", None),
+            "max_model_len": getattr(model, "max_model_len", None),
+            "enforce_eager": getattr(model, "enforce_eager", None),
+            "compilation_mode": None if mode is None else str(json_value(mode)),
+            "enable_prefix_caching": getattr(cache, "enable_prefix_caching", None),
+            "enable_chunked_prefill": getattr(scheduler, "enable_chunked_prefill", None),
+            "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+            "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
+            "batch_invariant": batch_invariant,
+            "attention": None if attention is None else str(json_value(attention)),
+            "engine_generation_defaults": defaults,
+            "tokenizer": tokenizer,
+        })
+
+    def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
+        params = self._sampling_params(sampling)
+        applied = {name: json_value(getattr(params, name)) for name in _SAMPLING_FIELDS if hasattr(params, name)}
+        sampling_type = getattr(params, "sampling_type", None)
+        if sampling_type is not None:
+            applied["sampling_type"] = json_value(sampling_type)
+        return applied
 
     def get_tokenizer(self) -> Any:
         return self._llm.get_tokenizer()

@@ -25,9 +25,11 @@ import numpy as np
 from regress.backends import get_backend_class
 from regress.backends.base import (
     ChatTemplateMissing,
+    MAX_SAMPLING_APPLIED,
     EngineBackend,
     GenerationRequest,
     LogprobRows,
+    sampling_key,
 )
 from regress.engine import facts
 from regress.engine.protocol import (
@@ -217,7 +219,9 @@ class EngineServer:
             progress.flush()
             tf_tokens, tf_offsets = ragged([s[1][: len(r.token_logprobs)] for s, r in zip(sequences, rows)], np.int32)
             arrays.update(tf_tokens=tf_tokens, tf_offsets=tf_offsets, **_stack(rows, k, "tf_"))
+        applied, truncated = self._sampling_applied(prompts)
         meta = {
+            **({"sampling_applied": applied, "sampling_applied_truncated": truncated} if applied else {}),
             **request.meta,
             "shard_index": index,
             "prompt_ids": [p["id"] for p in prompts],
@@ -239,6 +243,27 @@ class EngineServer:
             "prompt_tokens": int(prompt_tokens.size),
             "output_tokens": int(output_tokens.size),
         })
+
+
+    def _sampling_applied(self, prompts: list[Any]) -> tuple[list[dict[str, Any]], bool]:
+        """The engine's parameters for each distinct sampling of a shard (at most
+        :data:`MAX_SAMPLING_APPLIED`), as ``{"sampling", "applied"}``, and whether some were left
+        out; empty when the backend builds no such object."""
+        assert self.backend is not None
+        seen: set[str] = set()
+        out: list[dict[str, Any]] = []
+        for prompt in prompts:
+            key = sampling_key(prompt["sampling"])
+            if key in seen:
+                continue
+            if len(out) >= MAX_SAMPLING_APPLIED:
+                return out, True
+            seen.add(key)
+            applied = self.backend.sampling_applied(prompt["sampling"])
+            if applied is None:
+                return [], False
+            out.append({"sampling": prompt["sampling"], "applied": applied})
+        return out, False
 
 
 def _error(exc: BaseException, kind: str) -> ErrorDetail:

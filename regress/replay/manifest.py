@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from regress import __version__
 from regress.engine.client import engine_environment
 from regress.provenance import directory_sha256, regress_git_commit
-from regress.records import CandidateSpec, GoldenRef, Hardware, Memory, ModelInfo, RunManifest, Timings, Versions
+from regress.backends.base import MAX_SAMPLING_APPLIED, sampling_key
+from regress.effective import generation_defaults
+from regress.errors import ConfigError
+from regress.records import (AppliedSampling, CandidateSpec, EffectiveConfig, GoldenRef, Hardware, Memory, ModelInfo,
+                             RunManifest, Timings, TokenizerFacts, Versions)
 from regress.redact import is_secret_variable, redact
 from regress.replay.executors import ExecutionOutcome
 from regress.replay.plan import ReplayPlan
@@ -50,6 +56,45 @@ def versions_record(packages: dict[str, str | None], backend: str) -> Versions:
         regress=__version__,
         regress_git_commit=regress_git_commit(),
     )
+
+
+def effective_record(candidate: CandidateSpec, info: dict[str, Any], shard_metas: list[dict[str, Any]]) -> EffectiveConfig:
+    """The configuration as the engine applied it: the backend's facts from loading (none from an
+    engine that predates them), the candidate's generation_config and the defaults regress took
+    from it, and the engine's sampling parameters per distinct sampling, gathered from the shards
+    (in shard order, at most :data:`MAX_SAMPLING_APPLIED`)."""
+    facts = dict(info.get("effective") or {})
+    tokenizer = facts.pop("tokenizer", None)
+    known = set(EffectiveConfig.model_fields)
+    engine_facts = {k: v for k, v in facts.items() if k in known and k not in ("sampling_applied", "generation_config")}
+    try:
+        applied_defaults = generation_defaults(candidate)
+    except ConfigError:  # the plan read it a moment ago; a file gone since leaves this fact empty
+        applied_defaults = {}
+    seen: set[str] = set()
+    sampling: list[AppliedSampling] = []
+    truncated = False
+    for meta in shard_metas:
+        truncated = truncated or bool(meta.get("sampling_applied_truncated"))
+        for entry in meta.get("sampling_applied") or []:
+            key = sampling_key(entry["sampling"])
+            if key in seen:
+                continue
+            if len(sampling) >= MAX_SAMPLING_APPLIED:
+                truncated = True
+                break
+            seen.add(key)
+            sampling.append(AppliedSampling(sampling=entry["sampling"], applied=entry["applied"]))
+    if isinstance(tokenizer, dict):
+        engine_facts["tokenizer"] = {k: v for k, v in tokenizer.items() if k in TokenizerFacts.model_fields}
+    ours = {"generation_config": candidate.generation_config, "generation_defaults_applied": applied_defaults,
+            "sampling_applied": sampling, "sampling_applied_truncated": truncated}
+    try:
+        return EffectiveConfig(**engine_facts, **ours)
+    except ValidationError as exc:
+        # A fact of an unexpected type (another engine version) is left out, not the whole run lost.
+        bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+        return EffectiveConfig(**{k: v for k, v in engine_facts.items() if k not in bad}, **ours)
 
 
 def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: list[dict[str, Any]],
@@ -97,4 +142,5 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
             engine_loads=outcome.engine_loads,
         ),
         memory=Memory(**outcome.memory) if outcome.memory else Memory(),
+        effective=effective_record(plan.candidate, info, shard_metas),  # type: ignore[arg-type]
     )

@@ -14,11 +14,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from regress.datasets import PromptSet
+from regress.effective import generation_defaults
 from regress.engine.protocol import PromptInput, TeacherForcePair
 from regress.errors import ConfigError
-from regress.records import (FORMAT_VERSION, SAMPLE_SEPARATOR, CandidateSpec, ResolvedSampling, ShardInfo,
-                             ShardLayout, sample_id)
+from regress.records import (FORMAT_VERSION, SAMPLE_SEPARATOR, CandidateSpec, ResolvedSampling, SamplingSpec,
+                             ShardInfo, ShardLayout, sample_id)
 from regress.runs import RunResult
 
 DEFAULT_SHARD_SIZE = 64
@@ -36,10 +39,26 @@ def plan_layout(prompt_ids: list[str], shard_size: int) -> ShardLayout:
     return ShardLayout(shard_size=shard_size, shards=shards)
 
 
+def model_sampling_defaults(candidate: CandidateSpec) -> SamplingSpec:
+    """The layer a candidate's ``generation_config`` adds (empty for ``vllm``): the model's defaults
+    as a sampling layer. An unusable file or value is a :class:`ConfigError` naming the field."""
+    defaults = generation_defaults(candidate)
+    try:
+        return SamplingSpec.model_validate(defaults, strict=False)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"candidate '{candidate.name}': the defaults its generation_config "
+                          f"{candidate.generation_config!r} supplies are not valid sampling: {problems}",
+                          field="generation_config") from exc
+
+
 def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec) -> list[ResolvedSampling]:
-    """Per prompt: built-in defaults < candidate sampling < prompt set defaults < prompt overrides."""
+    """Per prompt: built-in defaults < the model's generation_config defaults (only when the
+    candidate's ``generation_config`` is not ``vllm``) < candidate sampling < prompt set defaults
+    < prompt overrides."""
+    model_defaults = model_sampling_defaults(candidate)
     return [
-        ResolvedSampling.resolve(candidate.sampling, prompt_set.card.defaults, p.sampling)
+        ResolvedSampling.resolve(model_defaults, candidate.sampling, prompt_set.card.defaults, p.sampling)
         for p in prompt_set.prompts
     ]
 

@@ -72,7 +72,41 @@ def _flatten(m: RunManifest) -> dict[tuple[str, str], Any]:
         flat[("engine arguments", key)] = value
     for key, value in sorted(m.env_vars.items()):
         flat[("environment variables", key)] = value
+    flat.update(_effective_rows(m))
     return flat
+
+
+_EFFECTIVE_ROWS = (
+    ("dtype", "dtype"), ("quantization", "quantization"), ("kv_cache_dtype", "KV-cache dtype"),
+    ("max_model_len", "max model len"), ("enforce_eager", "enforce eager"), ("compilation_mode", "compilation mode"),
+    ("attention", "attention"), ("enable_prefix_caching", "prefix caching"),
+    ("enable_chunked_prefill", "chunked prefill"), ("max_num_seqs", "max num seqs"),
+    ("max_num_batched_tokens", "max num batched tokens"), ("batch_invariant", "batch invariant"),
+    ("generation_config", "generation_config"),
+)
+
+
+def _effective_rows(m: RunManifest) -> dict[tuple[str, str], Any]:
+    """The configuration as the engine applied it (none for a manifest written before it was recorded)."""
+    e = m.effective
+    if e is None:
+        return {}
+    rows: dict[tuple[str, str], Any] = {("effective", label): getattr(e, name) for name, label in _EFFECTIVE_ROWS}
+    rows[("effective", "model defaults the engine holds")] = e.engine_generation_defaults
+    rows[("effective", "model defaults regress applied")] = e.generation_defaults_applied or None
+    if e.tokenizer is not None:
+        t = e.tokenizer
+        rows[("effective", "tokenizer")] = t.class_name
+        rows[("effective", "vocab size")] = t.vocab_size
+        rows[("effective", "bos / eos token ids")] = f"{t.bos_token_id} / {t.eos_token_id}"
+        rows[("effective", "chat template sha256")] = t.chat_template_sha256[:16] if t.chat_template_sha256 else None
+    for i, entry in enumerate(e.sampling_applied, 1):
+        # Compact k=v, unset fields left out: the whole SamplingParams in JSON is longer than a cell.
+        rows[("effective", f"sampling applied #{i}")] = " ".join(
+            f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in entry.applied.items() if v is not None)
+    if e.sampling_applied_truncated:
+        rows[("effective", "sampling applied")] = f"first {len(e.sampling_applied)} distinct samplings shown"
+    return rows
 
 
 def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
