@@ -14,6 +14,8 @@ from regress.config import Params
 from regress.records import CandidateSpec, RunManifest, ScoredRun
 
 if TYPE_CHECKING:
+    from regress.diagnosis.engines import WarmEngines
+    from regress.diagnosis.record import Diagnosis
     from regress.replay import Executor, ProgressSink
 
 
@@ -24,6 +26,8 @@ class ScoredCandidate:
     report: ScoredRun
     scores_dir: Path
     page: Path | None
+    diagnosis: "Diagnosis | None" = None
+    """Why its prompts drifted, when a diagnosis ran in this check (``diagnose:`` in params)."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,14 @@ def score_candidate(
     run_dir: Path | None = None,
     out: Path | None = None,
     with_report: bool = True,
+    diagnosis: "Diagnosis | None" = None,
 ) -> ScoredCandidate:
     """Score a replayed candidate; write scores.json and metrics.json, and (unless told not to)
     its report. The baseline's measured noise (``golden/noise.json``, when there is one for this
-    golden) is applied (:mod:`regress.noise.floor`). ``out`` writes scores and report there instead of scores/ and reports/."""
+    golden) is applied (:mod:`regress.noise.floor`). ``out`` writes scores and report there instead of scores/ and reports/.
+    The report shows the candidate's diagnosis (``diagnosis``, else its ``diagnosis.json`` when it
+    is of this run)."""
+    from regress.diagnosis.record import load_diagnosis
     from regress.datasets import load_prompt_set
     from regress.envs import regress_home
     from regress.noise.floor import load_floor
@@ -93,9 +101,11 @@ def score_candidate(
     if with_report:
         with stderr_console.status("writing the report"):
             # A report written elsewhere (--out) has no reports/index.html to link back to.
+            if diagnosis is None:
+                diagnosis = load_diagnosis(scores_dir, run.manifest.run_id)
             page = write_candidate_report(report, golden_run, run, prompt_set,
                                           out or params.reports_dir() / spec.name,
-                                          index_link=None if out else "../index.html")
+                                          index_link=None if out else "../index.html", diagnosis=diagnosis)
             if out is None:
                 refresh_index(params.reports_dir(), params.scores_dir())
     return ScoredCandidate(report, scores_dir, page)
@@ -126,4 +136,51 @@ def run_check(
                       executor=executor, progress=progress, force=force,
                       baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None)
     scored = score_candidate(params, spec, golden_dir=golden_dir)
+    if params.diagnose is not None and scored.report.metrics.verdict == "fail" and spec.name != params.baseline.name:
+        # A warm executor's engines (regress.diagnosis.engines) serve the probes too.
+        diagnosis = diagnose_candidate(params, spec, golden_dir=golden_dir, progress=progress,
+                                       probes=params.diagnose.probes, max_prompts=params.diagnose.max_prompts,
+                                       engines=getattr(executor, "engines", None))
+        scored = ScoredCandidate(scored.report, scored.scores_dir, scored.page, diagnosis)
     return CheckResult(manifest, scored)
+
+
+def diagnosis_dir(params: Params, name: str) -> Path:
+    """Where a candidate's probe runs go (``diagnosis/<candidate>/``, beside runs/)."""
+    return params.root / "diagnosis" / name
+
+
+def diagnose_candidate(
+    params: Params,
+    spec: CandidateSpec,
+    *,
+    golden_dir: Path | None = None,
+    progress: "ProgressSink | None" = None,
+    probes: list[str] | None = None,
+    max_prompts: int = 10,
+    force: bool = False,
+    engines: "WarmEngines | None" = None,
+) -> "Diagnosis":
+    """Diagnose a scored candidate (:func:`regress.diagnosis.run.diagnose`): its drifted prompts
+    under probes into diagnosis/<name>/, ``diagnosis.json`` beside its scores, and its report
+    written again with the "Why" column."""
+    from regress.datasets import load_prompt_set
+    from regress.diagnosis.run import diagnose
+    from regress.errors import ConfigError
+    from regress.runs import load_run
+    from regress.scoring import read_scored_run
+
+    scores_dir = params.scores_dir() / spec.name
+    if not (scores_dir / "scores.json").is_file():
+        raise ConfigError(f"'{spec.name}' has no scores in {scores_dir}: run `regress check {spec.name}` "
+                          f"(or `regress score {spec.name}`) first", field="candidate")
+    golden = load_run(golden_dir or params.golden_dir())
+    baseline = params.golden_baseline(golden.manifest) or params.baseline
+    if baseline.name == spec.name:
+        raise ConfigError(f"'{spec.name}' made the golden: there is nothing to diagnose against", field="candidate")
+    params.check_model_paths(spec)
+    result = diagnose(spec, baseline, load_prompt_set(params.dataset), golden, load_run(params.run_dir(spec.name)),
+                      read_scored_run(scores_dir), diagnosis_dir(params, spec.name), scores_dir,
+                      probes=probes, max_prompts=max_prompts, progress=progress, force=force, engines=engines)
+    score_candidate(params, spec, golden_dir=golden_dir, diagnosis=result)
+    return result

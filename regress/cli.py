@@ -434,6 +434,64 @@ def diff_command(
 
 
 @app.command()
+def diagnose(
+    candidate: str = typer.Argument(..., help="Candidate name from params.yaml (replayed and scored already)."),
+    params: Path = ParamsOption,
+    golden_dir: Optional[Path] = typer.Option(None, "--golden", "-g", help="Golden directory (default: params' paths.golden)."),
+    probes: Optional[str] = typer.Option(
+        None, "--probes",
+        help="Comma-separated probes (default 'auto': reference, control, rerun, alone, every revert that applies, "
+             "float32, prefix-caching-off, chunked-prefill-off). Opt-in: eager, batch-invariant. A single revert: "
+             "revert-input, revert-input-defaults, revert-kv-cache, revert-dtype, revert-compile, revert-scheduling, "
+             "revert-sampling, revert-model, revert-engine."),
+    max_prompts: int = typer.Option(10, "--max-prompts", min=1, max=1000, help="Drifted prompts to diagnose (regressions first)."),
+    force: bool = typer.Option(False, "--force", help="Run the probes again even if their runs are up to date."),
+    as_json: bool = typer.Option(False, "--json", help="Print diagnosis.json instead of the summary."),
+) -> None:
+    """Say why a candidate's prompts drifted: its drifted prompts run again under probes (the batch,
+    each differing setting put back to the baseline's, float32 on both sides, ...), one engine per
+    configuration; the probe that removes a prompt's drift names its source. Writes
+    scores/<candidate>/diagnosis.json and the report's "Why" column. Exit 0 when the diagnosis is
+    written (whatever it found), 2 bad input (not scored yet, unknown probe), 3 could not run."""
+    from regress.checks import diagnose_candidate
+    from regress.config import load_params
+    from regress.diagnosis.probes import KNOWN
+    from regress.diagnosis.record import DIAGNOSIS_FILE
+    from regress.errors import ConfigError
+    from regress.progress import RichProgress
+
+    chosen = None
+    if probes and probes.strip() != "auto":
+        chosen = [p.strip() for p in probes.split(",") if p.strip()]
+        unknown = [p for p in chosen if p not in KNOWN]
+        if unknown:
+            raise ConfigError(f"unknown probe '{unknown[0]}'; known: {', '.join(KNOWN)}", field="--probes")
+    p = load_params(params)
+    spec = p.candidate(candidate)
+    with RichProgress(f"diagnose '{spec.name}'") as progress:
+        d = diagnose_candidate(p, spec, golden_dir=golden_dir, progress=progress, probes=chosen,
+                               max_prompts=max_prompts, force=force)
+    if as_json:
+        _out(d.model_dump_json(indent=1))
+        return
+    from regress.diagnosis.probes import mitigation
+
+    if not d.prompts:
+        _out(f"'{spec.name}': no drifted prompt to diagnose" + (f" ({len(d.left_out)} left out)" if d.left_out else ""))
+    else:
+        _out(f"'{spec.name}': {len(d.prompts)} of {d.drifted} drifted prompt(s) diagnosed with "
+             f"{sum(1 for r in d.probes if not r.skipped)} probe(s), {d.engine_loads} engine load(s), {d.seconds:.0f} s")
+        for cause, n in sorted(d.by_cause.items(), key=lambda kv: -kv[1]):
+            _out(f"  {cause}: {n} prompt(s)  (mitigation: {mitigation(cause)})")  # type: ignore[arg-type]
+        for pd in d.prompts:
+            _out(f"  {pd.prompt_id} [{pd.prompt_class}] {', '.join(pd.causes)}: {pd.why}")
+    for r in d.probes:
+        if r.skipped:
+            _out(f"  probe {r.name}: skipped ({r.skipped})")
+    _out(f"diagnosis: {p.scores_dir() / spec.name / DIAGNOSIS_FILE}  report: {p.reports_dir() / spec.name / 'index.html'}")
+
+
+@app.command()
 def report(
     candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to render (default: every scored one)."),
     params: Path = ParamsOption,

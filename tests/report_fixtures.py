@@ -233,3 +233,53 @@ def build_scored_project(root: Path) -> Path:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     return root
 
+
+
+def build_diagnosis(case: Case, *, why: str = HOSTILE[0], max_prompts: int | None = None) -> Any:
+    """A synthetic ``regress diagnose`` record of ``case``'s run: its regressions traced to kernels
+    and precision (a probe removed the drift; ``why`` is the first one's why: by default an
+    injection attempt), its drifts to scheduling and batching with an unexplained second cause,
+    its input drifts left out; probes with one skipped, settings that differ (hostile values)."""
+    from regress.diagnosis.record import Diagnosis, Observation, ProbeRun, PromptDiagnosis
+
+    regressions, drifts = case.ids_of("regression"), case.ids_of("drift")
+    prompts = []
+    for i, pid in enumerate(regressions):
+        prompts.append(PromptDiagnosis(
+            prompt_id=pid, prompt_class="regression", first_divergence=3,
+            observations=[Observation(probe="rerun", same=False, first_divergence=3),
+                          Observation(probe="float32", same=True)],
+            causes=["kernels and precision"], explained=True,
+            why=why if i == 0 else "float32 on the candidate removed the drift",
+            mitigation="higher precision for checks (float32) " + HOSTILE[1]))
+    for pid in drifts:
+        prompts.append(PromptDiagnosis(
+            prompt_id=pid, prompt_class="drift", first_divergence=8,
+            observations=[Observation(probe="alone", same=True)],
+            causes=["scheduling and batching", "unexplained"], explained=False, batch_variant=True,
+            why="its output changed with the batch it was in", mitigation="fixed batch sizes"))
+    if max_prompts is not None:
+        prompts = prompts[:max_prompts]
+    by_cause: dict[str, int] = {}
+    for p in prompts:
+        for c in p.causes:
+            by_cause[c] = by_cause.get(c, 0) + 1
+    left_out = case.ids_of("input_drift")
+    probes = [
+        ProbeRun(name="reference", changed="nothing: the baseline, the drifted prompts batched together",
+                 side="baseline", compared_with="the golden", engine_loads=1, seconds=12.5),
+        ProbeRun(name="float32", source="kernels and precision", changed="dtype float16 → float32",
+                 side="candidate", compared_with="the reference", engine_loads=1, seconds=30.25,
+                 run_dirs=["diagnosis/float32/" + HOSTILE[4]]),
+        ProbeRun(name="batch-invariant", source="scheduling and batching", changed="VLLM_BATCH_INVARIANT=1",
+                 side="both", compared_with="each other", skipped="the engine does not support it " + HOSTILE[2]),
+    ]
+    return Diagnosis(candidate=case.score.run.candidate.name, baseline=case.score.golden.candidate.name,
+                     golden_run_id=case.score.golden.run_id, run_id=case.score.run.run_id,
+                     drifted=len(regressions) + len(drifts) + len(left_out),
+                     differences=[{"source": "kernels and precision", "setting": "dtype", "baseline": "bfloat16",
+                                   "candidate": "float16"},
+                                  {"source": "engine", "setting": "env EVIL", "baseline": "", "candidate": HOSTILE[1]}],
+                     probes=probes, prompts=prompts, by_cause=by_cause,
+                     engine_loads=sum(p.engine_loads for p in probes), seconds=sum(p.seconds for p in probes),
+                     left_out=left_out)

@@ -19,11 +19,14 @@ docs/report.md for what each part of the page shows.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from regress.records import ScoredRun
 from regress.runs import RunResult
 from regress.storage import atomic_write_text
+
+if TYPE_CHECKING:
+    from regress.diagnosis.record import Diagnosis
 
 INDEX_FILE = "index.html"
 METRICS_FILE = "metrics.json"
@@ -35,12 +38,15 @@ METRICS_SCHEMA = Path(__file__).parent / "metrics.schema.json"
 
 def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any,
                            out_dir: str | Path, *, index_link: str | None = "../index.html",
-                           report_link: str | None = None) -> Path:
+                           report_link: str | None = None, diagnosis: "Diagnosis | None" = None) -> Path:
     """Write a candidate's ``index.html``, ``metrics.json``, ``junit.xml`` and ``summary.md``.
 
     ``prompt_set`` (a :class:`regress.datasets.PromptSet`, or None) supplies the prompt texts
     shown in the details. ``index_link`` is the page's link back to the list of candidates
-    (None: no link); ``report_link`` is mentioned at the end of ``summary.md``.
+    (None: no link); ``report_link`` is mentioned at the end of ``summary.md``. ``diagnosis``
+    (``regress diagnose``'s record, :func:`regress.diagnosis.record.load_diagnosis`) adds the
+    page's "Why it drifted" card and cause column, summary.md's "Why it drifted" section and the
+    causes in junit.xml's failures; one made for another run than ``score``'s is not shown.
     Returns the path of ``index.html``.
     """
     from regress.report.junit import junit_xml
@@ -53,10 +59,11 @@ def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, 
     page = out / INDEX_FILE
     # A comment after the content: invisible in the page, the rendered summary and junit readers.
     trailer = f"\n{_TRAILER_START}{scoring_id(score)} -->\n"
-    atomic_write_text(out / JUNIT_FILE, junit_xml(score).rstrip("\n") + trailer)
-    atomic_write_text(out / SUMMARY_FILE, summary_markdown(score, report_link).rstrip("\n") + "\n" + trailer)
-    atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link).rstrip("\n")
-                      + trailer)
+    atomic_write_text(out / JUNIT_FILE, junit_xml(score, diagnosis=diagnosis).rstrip("\n") + trailer)
+    atomic_write_text(out / SUMMARY_FILE,
+                      summary_markdown(score, report_link, diagnosis=diagnosis).rstrip("\n") + "\n" + trailer)
+    atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link,
+                                             diagnosis=diagnosis).rstrip("\n") + trailer)
     atomic_write_text(out / METRICS_FILE, score.metrics.model_dump_json(indent=2))
     return page
 

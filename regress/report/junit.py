@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
 
 from regress.metrics import output_specs
 from regress.metrics.spec import headline
 from regress.records import PromptScore, ScoredRun
+
+if TYPE_CHECKING:
+    from regress.diagnosis.record import Diagnosis, PromptDiagnosis
 
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
@@ -51,8 +55,19 @@ def _answer_line(s: PromptScore) -> list[str]:
             f"candidate {said(a.candidate_correct)}"]
 
 
-def junit_xml(score: ScoredRun) -> str:
-    """The JUnit XML document for one candidate."""
+def _why(dx: "PromptDiagnosis | None") -> str:
+    """``why it drifted: causes: why`` of a diagnosed prompt ('' when not diagnosed)."""
+    return "" if dx is None else f"why it drifted: {', '.join(dx.causes)}: {dx.why}"
+
+
+def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
+    """The JUnit XML document for one candidate. With a ``diagnosis`` of this run (``regress
+    diagnose``), a diagnosed prompt's causes and why end its failure message, and its details
+    say them with the mitigation."""
+    from regress.report.payload import diagnosis_of
+
+    diagnosis = diagnosis_of(score, diagnosis)
+    diagnosed = {p.prompt_id: p for p in diagnosis.prompts} if diagnosis is not None else {}
     m = score.metrics
     shown = shown_metrics()
     name = f"regress.{m.candidate}"
@@ -80,11 +95,17 @@ def junit_xml(score: ScoredRun) -> str:
             ET.SubElement(props, "property", name=key, value=str(value))
     for s in score.scores:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
+        dx = diagnosed.get(s.prompt_id)
+        why = _why(dx)
         detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
+                            *([why, f"mitigation: {dx.mitigation}"] if dx is not None else []),
                             f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics, shown)])
         if fails(s):
             kind = s.prompt_class if s.prompt_class in ("regression", "input_drift") else "answer_lost"
-            failure = ET.SubElement(case, "failure", message=xml_text(s.reasons[0] if s.reasons else kind), type=kind)
+            message = s.reasons[0] if s.reasons else kind
+            if why:
+                message = f"{message}; {why}"
+            failure = ET.SubElement(case, "failure", message=xml_text(message), type=kind)
             failure.text = xml_text(detail)
         elif s.prompt_class == "input_drift":
             ET.SubElement(case, "skipped", message=xml_text(s.reasons[0] if s.reasons else "input drift"))

@@ -9,7 +9,7 @@ divergence and the top-k there are sent, never whole logprob tracks. See docs/re
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import ValidationError
@@ -19,6 +19,9 @@ from regress.metrics.spec import Output, headline
 from regress.records import PromptScore, ScoredRun, sample_id
 from regress.runs import RunResult, join_pieces
 from regress.verdict import Thresholds, severity
+
+if TYPE_CHECKING:
+    from regress.diagnosis.record import Diagnosis
 
 CLASS_ORDER = ("regression", "drift", "input_drift", "benign", "identical")
 """Classes from worst to most harmless: the report's default order."""
@@ -297,8 +300,54 @@ def _samples(s: PromptScore, golden: RunResult, run: RunResult, cap: int) -> dic
     return out
 
 
-def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None) -> dict[str, Any]:
-    """Everything the page's script needs, JSON-ready."""
+def diagnosis_of(score: ScoredRun, diagnosis: "Diagnosis | None") -> "Diagnosis | None":
+    """``diagnosis`` when it was made for this scoring's candidate run, else None: a stale
+    diagnosis (of another run) is never shown."""
+    if diagnosis is None or diagnosis.run_id != score.run.run_id:
+        return None
+    return diagnosis
+
+
+def cause_mitigation(diagnosis: "Diagnosis", cause: str) -> str:
+    """What would have prevented drift from ``cause``: the field guide's mitigation for a source
+    (:data:`regress.effective.MITIGATION`), else the one the diagnosis gives most often for it."""
+    from regress.effective import MITIGATION
+
+    if cause in MITIGATION:
+        return MITIGATION[cause]  # type: ignore[index]
+    said: dict[str, int] = {}
+    for p in diagnosis.prompts:
+        if cause in p.causes and p.mitigation:
+            said[p.mitigation] = said.get(p.mitigation, 0) + 1
+    return max(said, key=lambda k: said[k]) if said else ""
+
+
+def causes_by_count(diagnosis: "Diagnosis") -> list[tuple[str, int]]:
+    """(cause, prompts) from the most prompts to the fewest; ties in the field guide's order."""
+    from regress.effective import SOURCES
+
+    order = {c: i for i, c in enumerate(SOURCES)}
+    return sorted(((c, n) for c, n in diagnosis.by_cause.items() if n),
+                  key=lambda cn: (-cn[1], order.get(cn[0], len(order)), cn[0]))
+
+
+def _prompt_diagnosis(p: Any) -> dict[str, Any]:
+    """``dx`` of a diagnosed prompt: causes, why, mitigation, explained, batch variant, and per
+    probe [name, same, first divergence]."""
+    out: dict[str, Any] = {"c": list(p.causes), "y": p.why, "mi": p.mitigation, "e": p.explained,
+                           "o": [[o.probe, o.same, o.first_divergence] for o in p.observations]}
+    if p.batch_variant:
+        out["b"] = True
+    return out
+
+
+def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None, *,
+                  diagnosis: "Diagnosis | None" = None) -> dict[str, Any]:
+    """Everything the page's script needs, JSON-ready. With a ``diagnosis`` of this run, each
+    diagnosed prompt gets ``dx`` (see :func:`_prompt_diagnosis`) and the payload ``diagnosis``
+    (the causes present, for the table's filter); without one ``diagnosis`` is None."""
+    diagnosis = diagnosis_of(score, diagnosis)
+    diagnosed = {p.prompt_id: p for p in diagnosis.prompts} if diagnosis is not None else {}
     names = metric_names(score)
     tags: dict[str, int] = {}
     cap = text_cap(len(score.scores))
@@ -321,6 +370,8 @@ def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_se
             except KeyError:
                 record = None
         entry.update(_prompt(record, cap))
+        if s.prompt_id in diagnosed:
+            entry["dx"] = _prompt_diagnosis(diagnosed[s.prompt_id])
         entry.update(_answer(s))
         if s.metrics.get("samples"):
             entry.update(_samples(s, golden, run, cap))
@@ -350,6 +401,10 @@ def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_se
         "thresholds": t.model_dump(include=set(bounds)),
         "caps": {"text": cap, "token_text": TOKEN_TEXT_CAP, "before": WINDOW_BEFORE, "after": WINDOW_AFTER},
         "prompts": prompts,
+        "diagnosis": None if diagnosis is None else {
+            "causes": [c for c, _ in causes_by_count(diagnosis)],
+            "mitigations": {c: cause_mitigation(diagnosis, c) for c, _ in causes_by_count(diagnosis)},
+        },
     }
 
 

@@ -14,15 +14,18 @@ import functools
 import hashlib
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from regress.records import ScoredRun
 from regress.report import overview
 from regress.report.configdiff import config_diff
-from regress.report.payload import build_payload
+from regress.report.payload import build_payload, cause_mitigation, causes_by_count, diagnosis_of
 from regress.runs import RunResult
+
+if TYPE_CHECKING:
+    from regress.diagnosis.record import Diagnosis
 
 TEMPLATES = Path(__file__).parent / "templates"
 SCRIPT, STYLE = "report.js", "report.css"
@@ -68,9 +71,12 @@ def _stamp(when: datetime) -> str:
 
 
 def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt_set: Any = None, *,
-                     index_link: str | None = None) -> str:
-    """The candidate page as one HTML string."""
+                     index_link: str | None = None, diagnosis: "Diagnosis | None" = None) -> str:
+    """The candidate page as one HTML string. ``diagnosis`` (``regress diagnose``'s record, or
+    None) adds the "Why it drifted" card and the prompt table's cause column; one made for
+    another run than ``score``'s is not shown."""
     m = score.metrics
+    diagnosis = diagnosis_of(score, diagnosis)
     settings = config_diff(score.golden, score.run)
     context = {
         "csp": csp(script=True),
@@ -88,7 +94,11 @@ def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt
         "worst": overview.worst(score),
         "changed": [s for s in settings if s.changed],
         "settings": settings,
-        "data": build_payload(score, golden, run, prompt_set),
+        "data": build_payload(score, golden, run, prompt_set, diagnosis=diagnosis),
+        "diagnosis": diagnosis,
+        "diagnosis_created": _stamp(diagnosis.created_at) if diagnosis is not None else None,
+        "diagnosis_causes": [] if diagnosis is None else [
+            {"cause": c, "count": n, "mitigation": cause_mitigation(diagnosis, c)} for c, n in causes_by_count(diagnosis)],
         "script": SCRIPT,
         "style": STYLE,
     }

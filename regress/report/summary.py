@@ -8,11 +8,16 @@ backslash-escaped. Model outputs are never included.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from regress.records import ScoredRun
 from regress.report import overview
 from regress.report.configdiff import config_diff
+from regress.report.payload import cause_mitigation, causes_by_count, diagnosis_of
 from regress.report.render import valid_text
+
+if TYPE_CHECKING:
+    from regress.diagnosis.record import Diagnosis
 
 WORST_LISTED = 10
 CHANGES_LISTED = 20
@@ -57,8 +62,34 @@ def _answers_markdown(score: ScoredRun) -> list[str]:
     return lines
 
 
-def summary_markdown(score: ScoredRun, report_link: str | None = None) -> str:
-    """The Markdown summary of one candidate."""
+def _diagnosis_markdown(score: ScoredRun, diagnosis: "Diagnosis | None") -> list[str]:
+    """"Why it drifted": diagnosed prompts per cause with its mitigation (``regress diagnose``);
+    without a diagnosis, for a failed candidate, how to get one."""
+    if diagnosis is None:
+        if score.metrics.verdict != "fail":
+            return []
+        return ["", f"Run {md_code('regress diagnose ' + score.metrics.candidate, 300)} to see why."]
+    explained = sum(1 for p in diagnosis.prompts if p.explained)
+    lines = ["", f"**Why it drifted** ({md_code('regress diagnose')}: {len(diagnosis.prompts):,} of "
+                 f"{diagnosis.drifted:,} drifted prompt(s) diagnosed, {explained:,} explained by a probe, the rest "
+                 f"by elimination):"]
+    causes = causes_by_count(diagnosis)
+    if causes:
+        lines += ["", "| cause | prompts | mitigation |", "|---|---:|---|"]
+        lines += [f"| {md_text(c)} | {n:,} | {md_text(cause_mitigation(diagnosis, c), 200)} |" for c, n in causes]
+    else:
+        lines += ["", "No prompt was diagnosed."]
+    if diagnosis.left_out:
+        listed = ", ".join(md_code(pid) for pid in diagnosis.left_out[:ANSWER_IDS_LISTED])
+        more = f" and {len(diagnosis.left_out) - ANSWER_IDS_LISTED:,} more" if len(diagnosis.left_out) > ANSWER_IDS_LISTED else ""
+        lines += ["", f"Not diagnosed ({len(diagnosis.left_out):,}): {listed}{more}"]
+    return lines
+
+
+def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
+                     diagnosis: "Diagnosis | None" = None) -> str:
+    """The Markdown summary of one candidate (with ``regress diagnose``'s causes when
+    ``diagnosis`` is one of this run)."""
     m = score.metrics
     icon, word = ("✅", "passes") if m.verdict == "pass" else ("❌", "fails")
     lines = [f"## {icon} regress: {md_code(m.candidate)} {word} against {md_code(score.golden.candidate.name)}", ""]
@@ -94,6 +125,7 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None) -> str:
                   "| prompt | class | severity | first div. | why |", "|---|---|---:|---:|---|"]
         lines += [f"| {md_code(w.prompt_id)} | {w.label} | {w.severity} | {w.divergence} | {md_text(w.reason, 160)} |"
                   for w in worst]
+    lines += _diagnosis_markdown(score, diagnosis_of(score, diagnosis))
     if report_link:
         lines += ["", f"Full report: {md_code(report_link, 300)}"]
     return valid_text("\n".join(lines) + "\n")

@@ -63,7 +63,9 @@
 
   // ---------------------------------------------------------------- state
 
-  var state = { classes: new Set(), tag: "", metric: "", min: "", max: "", q: "", sort: "r", dir: 1, page: 0 };
+  var DX = D.diagnosis;  // regress diagnose's record of this run: causes present, their mitigations (null: none)
+  var NOT_DIAGNOSED = "(not diagnosed)";  // the cause filter's value for prompts without a diagnosis (no cause's name)
+  var state = { classes: new Set(), tag: "", cause: "", metric: "", min: "", max: "", q: "", sort: "r", dir: 1, page: 0 };
   var rows = [];      // indices into P after filtering and sorting
   var current = -1;   // index into P shown in the detail drawer
 
@@ -72,6 +74,7 @@
     var texts = [p.s, p.g, p.c];
     if (p.sm) p.sm.forEach(function (pair) { texts.push(pair[0], pair[1]); });
     if (p.pm) p.pm.forEach(function (m) { texts.push(m[1]); });
+    if (p.dx) texts.push(p.dx.c.join(", "), p.dx.y);
     for (var i = 0; i < texts.length; i++) if (texts[i] && texts[i].toLowerCase().indexOf(q) >= 0) return true;
     return false;
   }
@@ -81,8 +84,14 @@
     if (key === "id") return p.id;
     if (key === "k") return CLASS_RANK[p.k];
     if (key === "v") return p.v;
+    if (key === "dx") return p.dx ? p.dx.c.join(", ") : null;
     var v = val(p, key.slice(2));
     return typeof v === "boolean" ? Number(v) : v;
+  }
+
+  function hasCause(p, cause) {
+    if (cause === NOT_DIAGNOSED) return !p.dx;
+    return !!p.dx && p.dx.c.indexOf(cause) >= 0;
   }
 
   function compute() {
@@ -96,6 +105,7 @@
       var p = P[i];
       if (state.classes.size && !state.classes.has(p.k)) continue;
       if (tag >= 0 && p.t.indexOf(tag) < 0) continue;
+      if (state.cause && !hasCause(p, state.cause)) continue;
       if (ranged) {
         var v = val(p, state.metric);
         if (typeof v === "boolean") v = Number(v);
@@ -124,7 +134,8 @@
     { key: "v", label: "severity", num: true, title: "how far past its regression thresholds (1 = at a threshold)" }
   ].concat(D.key.map(function (name) {
     return { key: "m:" + name, label: spec(name).label, num: true, title: name + ": " + (D.descriptions[name] || "") };
-  })).concat([{ key: "tags", label: "tags", fixed: true }, { key: "why", label: "why", fixed: true }]);
+  })).concat(DX ? [{ key: "dx", label: "why it drifted", title: "the source of its drift, as regress diagnose found it (hover for why and mitigation; open the prompt for its probes); empty: not diagnosed" }] : [])
+    .concat([{ key: "tags", label: "tags", fixed: true }, { key: "why", label: "reasons", fixed: true }]);
 
   function renderHead() {
     var head = document.getElementById("prompt-head");
@@ -148,8 +159,22 @@
     if (c.key === "v") return el("td", "num", fmt("severity", p.v));
     if (c.key === "tags") return titled(el("td", "tags", p.t.map(function (t) { return D.tags[t]; }).join(", ")));
     if (c.key === "why") return titled(el("td", "why", p.why.length ? p.why[0] + (p.why.length > 1 ? " (+" + (p.why.length - 1) + ")" : "") : ""));
+    if (c.key === "dx") return causeCell(p);
     var name = c.key.slice(2);
     return el("td", "num", fmt(name, val(p, name)));
+  }
+
+  // the prompt's causes (most specific first); the tooltip says why and what would have prevented it
+  function causeCell(p) {
+    var td = el("td", "dx");
+    if (!p.dx) return td;
+    p.dx.c.forEach(function (cause, i) {
+      if (i) td.appendChild(document.createTextNode(", "));
+      td.appendChild(el("span", "cause", cause));
+    });
+    td.title = p.dx.c.join(", ") + (p.dx.e ? " (shown by a probe)" : " (by elimination)") +
+      "\nwhy: " + p.dx.y + "\nmitigation: " + p.dx.mi;
+    return td;
   }
 
   function titled(td) { td.title = td.textContent; return td; }
@@ -203,6 +228,8 @@
       b.setAttribute("aria-pressed", state.classes.has(b.dataset.class) ? "true" : "false");
     });
     document.getElementById("tag-filter").value = state.tag;
+    var causeSel = document.getElementById("cause-filter");
+    if (causeSel) causeSel.value = state.cause;
     document.getElementById("metric-filter").value = state.metric;
     document.getElementById("metric-min").value = state.min;
     document.getElementById("metric-max").value = state.max;
@@ -243,6 +270,23 @@
       metricSel.appendChild(o);
     });
     tagSel.addEventListener("change", function () { state.tag = tagSel.value; state.page = 0; refresh(); });
+    var causeSel = document.getElementById("cause-filter");
+    if (causeSel && DX) {
+      var causeCount = Object.create(null), undiagnosed = 0;
+      P.forEach(function (p) {
+        if (!p.dx) { undiagnosed++; return; }
+        p.dx.c.forEach(function (c) { causeCount[c] = (causeCount[c] || 0) + 1; });
+      });
+      DX.causes.forEach(function (c) {
+        var o = el("option", "", c + " (" + (causeCount[c] || 0) + ")");
+        o.value = c;
+        causeSel.appendChild(o);
+      });
+      var none = el("option", "", "not diagnosed (" + undiagnosed + ")");
+      none.value = NOT_DIAGNOSED;
+      causeSel.appendChild(none);
+      causeSel.addEventListener("change", function () { state.cause = causeSel.value; state.page = 0; refresh(); });
+    }
     metricSel.addEventListener("change", function () { state.metric = metricSel.value; state.page = 0; refresh(); });
     ["min", "max"].forEach(function (which) {
       var input = document.getElementById("metric-" + which);
@@ -255,7 +299,7 @@
     });
     document.getElementById("reset").addEventListener("click", function () {
       state.classes.clear();
-      state.tag = state.metric = state.min = state.max = state.q = "";
+      state.tag = state.cause = state.metric = state.min = state.max = state.q = "";
       state.sort = "r"; state.dir = 1; state.page = 0;
       refresh();
     });
@@ -551,6 +595,7 @@
       p.why.forEach(function (r) { ul.appendChild(el("li", "", r)); });
       body.appendChild(ul);
     }
+    if (p.dx) body.appendChild(diagnosisBlock(p.dx));
     if (p.a) body.appendChild(answerBlock(p.a));
     if (p.pm) {
       body.appendChild(el("h3", "", "Prompt"));
@@ -626,6 +671,46 @@
     return box;
   }
 
+  // ---------------------------------------------------------------- diagnosis
+
+  // dx: c causes, y why, mi mitigation, e explained by a probe, b batch variant, o [[probe, same, first divergence]]
+  function diagnosisBlock(dx) {
+    var box = el("div", "dx-detail");
+    box.appendChild(el("h3", "", "Why it drifted"));
+    var causes = el("p", "causes");
+    dx.c.forEach(function (c) { causes.appendChild(el("span", "cause", c)); });
+    causes.appendChild(el("span", "note", dx.e ? " shown by a probe that removed the drift" : " by elimination (no probe removed the drift)"));
+    if (dx.b) causes.appendChild(el("span", "note", " · its output changed with the batch it was in"));
+    box.appendChild(causes);
+    var dl = el("dl", "dx-why");
+    add(dl, el("dt", "", "why"), el("dd", "", dx.y), el("dt", "", "mitigation"), el("dd", "", dx.mi));
+    box.appendChild(dl);
+    if (dx.o && dx.o.length) {
+      var t = el("table", "dx-obs");
+      add(t, add(el("thead"), add(el("tr"), el("th", "", "probe"), el("th", "", "output"), el("th", "num", "first divergence"))));
+      var tb = el("tbody");
+      dx.o.forEach(function (o) {
+        add(tb, add(el("tr", o[1] ? "same" : "differs"), el("td", "id", o[0]), el("td", "", o[1] ? "same" : "differs"),
+                    el("td", "num", o[2] === null || o[2] === undefined ? "—" : o[2])));
+      });
+      t.appendChild(tb);
+      box.appendChild(t);
+    }
+    return box;
+  }
+
+  function setupDiagnosis() {
+    document.querySelectorAll("#diagnosis .dx-cause").forEach(function (b) {
+      b.addEventListener("click", function () {
+        state.classes.clear();
+        state.cause = b.dataset.cause;
+        state.page = 0;
+        refresh();
+        document.getElementById("prompts").scrollIntoView();
+      });
+    });
+  }
+
   // ---------------------------------------------------------------- expected answers
 
   // a: [accepted answers, golden correct, candidate correct, found in golden, found in candidate]
@@ -651,7 +736,7 @@
   }
 
   function setupAnswers() {
-    document.querySelectorAll("#answers a.open-prompt, #noise a.open-prompt").forEach(function (a) {
+    document.querySelectorAll("#answers a.open-prompt, #noise a.open-prompt, #diagnosis a.open-prompt").forEach(function (a) {
       a.addEventListener("click", function (e) {
         var i = BY_ID.get(a.dataset.id);
         if (i === undefined) return;
@@ -724,5 +809,6 @@
   renderCharts();
   setupDetail();
   setupAnswers();
+  setupDiagnosis();
   document.body.dataset.ready = "1";
 })();
