@@ -404,7 +404,9 @@ def diff_command(
 ) -> None:
     """Print the settings that differ between two candidates and can change outputs, by source of
     drift (input, input defaults, scheduling and batching, kernels and precision, sampling, model,
-    engine), read from params.yaml and the model and tokenizer files: no engine starts."""
+    engine), read from params.yaml and the model and tokenizer files: no engine starts. When both
+    have run (the golden, runs/<name>), also what differs in the configuration as their engines
+    applied it (the manifests' effective configuration)."""
     import json as _json
 
     from regress.config import load_params
@@ -414,23 +416,55 @@ def diff_command(
     a, b = p.candidate(baseline), p.candidate(candidate)
     found = differences(a, b)
     where = template_lines(a, b)
+    applied = _applied_differences(p, a.name, b.name)
     if as_json:
         rows = [{"source": d.source, "setting": d.name, "baseline": d.baseline, "candidate": d.candidate}
                 for d in found]
         _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": rows,
-                          "chat_template_first_difference": list(where) if where else None}, indent=2))
+                          "chat_template_first_difference": list(where) if where else None,
+                          "applied_differences": None if applied is None else [
+                              {"setting": s.name, "baseline": s.baseline, "candidate": s.candidate} for s in applied]},
+                         indent=2))
         return
     if not found:
         _out(f"'{b.name}' and '{a.name}': no setting differs that regress can read before running "
              "(what only an engine knows is in each run's manifest)")
-        return
-    _out(f"'{b.name}' against '{a.name}': {len(found)} setting(s) differ")
+    else:
+        _out(f"'{b.name}' against '{a.name}': {len(found)} setting(s) differ")
     for source in dict.fromkeys(d.source for d in found):
         _out(f"\n{source}: {WHY[source]}\n  mitigation: {MITIGATION[source]}")
         for d in (d for d in found if d.source == source):
             _out(f"  {d.name}: {d.baseline} -> {d.candidate}")
         if source == "input" and where:
             _out(f"  chat template line {where[0]}: {where[1]!r} -> {where[2]!r}")
+    if applied:
+        _out("\nas the engines applied it (the runs' manifests):")
+        for s in applied:
+            _out(f"  {s.name}: {s.baseline} -> {s.candidate}")
+
+
+def _applied_differences(p, baseline: str, candidate: str):  # type: ignore[no-untyped-def]
+    """The effective-configuration rows that differ between two candidates' runs (the golden for
+    the candidate that made it, runs/<name> for the others); None unless both have a manifest
+    that records it."""
+    from regress.errors import RegressError
+    from regress.report.configdiff import config_diff
+    from regress.runs import read_manifest
+
+    def manifest(name: str):  # type: ignore[no-untyped-def]
+        for where in (p.golden_dir(), p.run_dir(name)):
+            try:
+                m = read_manifest(where)
+            except (RegressError, OSError, ValueError):
+                continue
+            if m.candidate.name == name and m.effective is not None:
+                return m
+        return None
+
+    ma, mb = manifest(baseline), manifest(candidate)
+    if ma is None or mb is None:
+        return None
+    return [s for s in config_diff(ma, mb) if s.section == "effective" and s.changed]
 
 
 @app.command()

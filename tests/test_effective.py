@@ -92,3 +92,28 @@ def test_regress_diff_command(base: Path, tmp_path: Path) -> None:
     assert "no setting differs" in run_cli("diff", "same", cwd=tmp_path).stdout
     unknown = run_cli("diff", "nope", cwd=tmp_path)
     assert unknown.returncode == 2 and "no candidate named 'nope'" in unknown.stderr
+
+
+def test_regress_diff_adds_what_the_engines_applied_once_both_have_run(base: Path, tmp_path: Path) -> None:
+    """With the golden's and the candidate run's manifests, ``regress diff`` also lists the
+    effective-configuration rows that differ (what only the engines know)."""
+    from report_fixtures import build_case
+    from regress.records import EffectiveConfig
+
+    case = build_case(tmp_path / "case", 4)
+    params = {"dataset": "prompts.jsonl", "baseline": {"model": str(base)},
+              "candidates": {"fp8": {"engine_args": {"kv_cache_dtype": "fp8"}}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert "as the engines applied it" not in run_cli("diff", "fp8", cwd=tmp_path).stdout  # nothing has run
+    for where, name, kv in (("golden", "baseline", "auto"), ("runs/fp8", "fp8", "fp8_e4m3")):
+        m = case.golden.manifest
+        m = m.model_copy(update={"candidate": m.candidate.model_copy(update={"name": name}),
+                                 "effective": EffectiveConfig(kv_cache_dtype=kv, max_model_len=4096)})
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "manifest.json").write_text(m.model_dump_json())
+    shown = run_cli("diff", "fp8", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "as the engines applied it (the runs' manifests):\n  KV-cache dtype: auto -> fp8_e4m3" in shown.stdout
+    assert "max model len" not in shown.stdout.split("as the engines applied it")[1]  # only what differs
+    as_json = json.loads(run_cli("diff", "fp8", "--json", cwd=tmp_path).stdout)
+    assert as_json["applied_differences"] == [{"setting": "KV-cache dtype", "baseline": "auto", "candidate": "fp8_e4m3"}]
