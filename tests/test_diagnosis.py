@@ -134,6 +134,11 @@ def test_nothing_removes_it_so_the_model_does_or_nothing_explains_it() -> None:
     d = attribute("p", _score(), _obs(reference=True, control=True, same_batch=False, rerun=False),
                   _probes(_spec(), ["rerun"]), [], golden=_gen([1], [5]), candidate_run=_gen([1], [6], temperature=0.8))
     assert d.causes == ["unexplained", "sampling"] and "sampling randomness" in d.why
+    # A difference no probe put back is named as not probed, not as unexplained.
+    kv = _spec(engine_args={**BASE.engine_args, "kv_cache_dtype": "fp8"})
+    d = attribute("p", _score(), _obs(reference=True, control=True, same_batch=False),
+                  _probes(kv, []), [], golden=_gen([1], [5]), candidate_run=_gen([1], [6]))
+    assert d.causes == ["kernels and precision"] and not d.explained and "probe revert-kv-cache" in d.why
 
 
 def test_drifted_prompts_are_the_worst_first_within_the_limit() -> None:

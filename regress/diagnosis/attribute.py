@@ -11,8 +11,9 @@ The rules, in order:
    scheduler settings, sampling, model, engine) whose output equals the baseline's, a switch on
    both sides (float32, batch-invariant, alone) after which both agree, or a setting turned off.
 4. Nothing removed it: the **model** when its weights or quantization differ (nothing else
-   explains it), else the **engine** when its package differs and was not reverted, else
-   **scheduling and batching** when the output moved with the batch, else **unexplained**.
+   explains it), else every source whose differing settings were not put back by a probe (the
+   engine package, say, when ``revert-engine`` did not run), else **scheduling and batching**
+   when the output moved with the batch, else **unexplained**.
 
 A rerun that differs from the control adds **sampling** (or, for greedy prompts, run-to-run
 nondeterminism under scheduling and batching).
@@ -84,15 +85,16 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
             add(p.source, p.detail, f"drift gone with {p.changed}")
             explained = True
     if not causes:
-        model = next((g for g in GROUPS if g.name == "model"), None)
-        engine = next((g for g in GROUPS if g.name == "engine"), None)
         ref_spec, ctl_spec = _spec(by_name, "reference"), _spec(by_name, "control")
-        if model is not None and ref_spec and ctl_spec and group_differs(model, ref_spec, ctl_spec, found):
+        differing = [g for g in GROUPS if ref_spec and ctl_spec and group_differs(g, ref_spec, ctl_spec, found)]
+        unprobed = [g for g in differing if g.name != "model" and f"revert-{g.name}" not in seen]
+        if any(g.name == "model" for g in differing):
             add("model", "weights and quantization",
                 "no probe removed it and the weights or quantization differ: the model itself")
-        elif (engine is not None and ref_spec and ctl_spec and "revert-engine" not in seen
-              and group_differs(engine, ref_spec, ctl_spec, found)):
-            add("engine", "engine package", "no probe removed it and the engine package differs (not reverted)")
+        elif unprobed:
+            for g in unprobed:
+                add(g.source, g.detail, f"no probe removed it; the {g.detail} differ and were not put back "
+                                        f"(probe revert-{g.name})")
         elif batch_variant:
             add("scheduling and batching", "batch composition",
                 "its output moves with the batch, and no probe made both sides agree")
