@@ -62,6 +62,7 @@ def test_engine_that_keeps_dying_is_a_clear_retryable_error(tmp_path):
     result = run_cli("golden", cwd=project)
     assert result.returncode == 3
     assert "candidate 'baseline'" in result.stderr and "SIGILL" in result.stderr and "retryable" in result.stderr
+    assert "10 prompt(s) not run: p0, p1, p2, p3, p4, p5, p6, p7, p8, p9; run the command again to retry" in result.stderr
     assert "Traceback" not in result.stderr.split("Last lines")[0]
     assert not (project / "golden").exists()
 
@@ -76,9 +77,11 @@ def test_interrupted_run_resumes_without_redoing_finished_shards(tmp_path):
     params = load_params(project / "params.yaml")
     prompt_set = load_prompt_set(params.dataset)
     out = project / "golden"
-    with pytest.raises(EngineError):
+    with pytest.raises(EngineError) as failed:
         replay(params.baseline, prompt_set, out, shard_size=4, executor=LocalExecutor(max_restarts=0))
     partial = out.with_name("golden.partial")
+    assert (f"2 prompt(s) not run: p8, p9; the 2 finished shard(s) are kept in {partial}: run the command "
+            "again to resume") in str(failed.value)
     assert not out.exists()
     done = {p.name: p.stat().st_mtime_ns for p in (partial / "shards").iterdir()}
     assert sorted(done) == ["shard-00000.shard", "shard-00001.shard"]

@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 
 from regress.datasets import PromptSet
+from regress.errors import RunError
 from regress.records import CandidateSpec, RunManifest
 from regress.replay.executors import Executor, LocalExecutor
 from regress.replay.manifest import build_manifest
 from regress.replay.plan import ReplayPlan, plan_golden_scoring, plan_replay
-from regress.replay.rundir import finish, partial_dir, prepare_partial, prompts_done, recover, shard_metas, up_to_date_run
+from regress.replay.rundir import (finish, partial_dir, prepare_partial, prompts_done, recover, shard_is_done,
+                                   shard_metas, up_to_date_run)
 from regress.replay.sink import ProgressSink, SilentProgress
 from regress.runs import GOLDEN_SCORED_DIR, RunResult, write_manifest
 
@@ -81,8 +83,31 @@ def execute_plan(plan: ReplayPlan, out_dir: Path, *, executor: Executor, progres
         progress.start("teacher_force", total)
         if already:
             progress.advance("teacher_force", already)
-    outcome = executor.run(plan, work, progress)
+    try:
+        outcome = executor.run(plan, work, progress)
+    except RunError as exc:
+        _name_missing_prompts(exc, plan, work)
+        raise
     manifest = build_manifest(plan, outcome, shard_metas(work, plan), time.monotonic() - started)
     manifest = write_manifest(work, manifest)
     finish(work, out_dir)
     return manifest
+
+
+MISSING_SHOWN = 10
+"""Prompt ids a failed run names (then a count)."""
+
+
+def _name_missing_prompts(exc: RunError, plan: ReplayPlan, work: Path) -> None:
+    """Add to a failed run's error which prompts it did not run, and that the finished shards are
+    kept: the user knows what is missing and that running the command again resumes."""
+    missing = [p["id"] for t in plan.tasks if not shard_is_done(work, t) for p in t.prompts]
+    if not missing:
+        return
+    done = sum(1 for t in plan.tasks if shard_is_done(work, t))
+    shown = ", ".join(missing[:MISSING_SHOWN]) + (f" and {len(missing) - MISSING_SHOWN} more"
+                                                   if len(missing) > MISSING_SHOWN else "")
+    note = (f"{len(missing)} prompt(s) not run: {shown}; "
+            + (f"the {done} finished shard(s) are kept in {work}: run the command again to resume"
+               if done else "run the command again to retry"))
+    exc.args = (f"{exc}\n{note}", *exc.args[1:])
