@@ -390,6 +390,8 @@ def check(
                            progress=progress, force=force, golden_scoring=golden_scoring)
     _summarise(result.manifest, p.run_dir(spec.name))
     _print_scores(result.scored.report)
+    if result.scored.diagnosis is not None:
+        _print_diagnosis(result.scored.diagnosis)
     _out(f"report: {result.scored.page}")
     if result.verdict == "fail":
         raise typer.Exit(EXIT_REGRESSION)
@@ -485,8 +487,9 @@ def diagnose(
     """Say why a candidate's prompts drifted: its drifted prompts run again under probes (the batch,
     each differing setting put back to the baseline's, float32 on both sides, ...), one engine per
     configuration; the probe that removes a prompt's drift names its source. Writes
-    scores/<candidate>/diagnosis.json and the report's "Why" column. Exit 0 when the diagnosis is
-    written (whatever it found), 2 bad input (not scored yet, unknown probe), 3 could not run."""
+    scores/<candidate>/diagnosis.json and the report's "why it drifted" column; the probes run on
+    this machine. Exit 0 when the diagnosis is written (whatever it found), 2 bad input (not
+    scored yet, unknown probe), 3 could not run."""
     from regress.checks import diagnose_candidate
     from regress.config import load_params
     from regress.diagnosis.probes import KNOWN
@@ -508,12 +511,18 @@ def diagnose(
     if as_json:
         _out(d.model_dump_json(indent=1))
         return
+    _print_diagnosis(d)
+    _out(f"diagnosis: {p.scores_dir() / spec.name / DIAGNOSIS_FILE}  report: {p.reports_dir() / spec.name / 'index.html'}")
+
+
+def _print_diagnosis(d) -> None:  # type: ignore[no-untyped-def]
+    """A diagnosis in a few lines: causes with counts and mitigations, then each prompt's why."""
     from regress.diagnosis.probes import mitigation
 
     if not d.prompts:
-        _out(f"'{spec.name}': no drifted prompt to diagnose" + (f" ({len(d.left_out)} left out)" if d.left_out else ""))
+        _out(f"'{d.candidate}': no drifted prompt to diagnose" + (f" ({len(d.left_out)} left out)" if d.left_out else ""))
     else:
-        _out(f"'{spec.name}': {len(d.prompts)} of {d.drifted} drifted prompt(s) diagnosed with "
+        _out(f"'{d.candidate}': {len(d.prompts)} of {d.drifted} drifted prompt(s) diagnosed with "
              f"{sum(1 for r in d.probes if not r.skipped)} probe(s), {d.engine_loads} engine load(s), {d.seconds:.0f} s")
         for cause, n in sorted(d.by_cause.items(), key=lambda kv: -kv[1]):
             _out(f"  {cause}: {n} prompt(s)  (mitigation: {mitigation(cause)})")  # type: ignore[arg-type]
@@ -522,7 +531,6 @@ def diagnose(
     for r in d.probes:
         if r.skipped:
             _out(f"  probe {r.name}: skipped ({r.skipped})")
-    _out(f"diagnosis: {p.scores_dir() / spec.name / DIAGNOSIS_FILE}  report: {p.reports_dir() / spec.name / 'index.html'}")
 
 
 @app.command()
