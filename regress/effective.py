@@ -216,6 +216,11 @@ def effective_config(spec: CandidateSpec) -> list[Fact]:
 
     add("engine", "package", spec.package)
     add("engine", "backend", spec.backend)
+    if spec.backend == "server":
+        # Requests in flight together are batched together by the server's scheduler.
+        settings = spec.server
+        add("scheduling and batching", "server.concurrency", settings.concurrency if settings else 1)
+        add("engine", "server.url", (settings.url if settings else None) or "started by regress")
     for key, value in sorted(spec.env.items()):
         add(ENV_SOURCES.get(key, "engine"), f"env {key}", value)
     for key, value in sorted(spec.engine_args.items()):

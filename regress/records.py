@@ -275,6 +275,51 @@ CURRENT_ENVIRONMENT = "current"
 """Package spec meaning: the Python environment regress itself runs in."""
 
 
+class ServerSettings(_Strict):
+    """How the ``server`` backend reaches vLLM's OpenAI-compatible server (``backend: server``).
+
+    Without ``url`` regress starts the server itself in the candidate's environment
+    (``python -m vllm.entrypoints.openai.api_server`` with the candidate's model, dtype,
+    quantization and ``engine_args`` as command-line flags) and stops it with the engine process.
+    With ``url`` it replays through a server that is already running; the candidate's ``model``
+    must still name where the tokenizer comes from (a local directory or hub id), since regress
+    renders every prompt to token ids itself.
+    """
+
+    url: str | None = None
+    """Base URL of a running server (``http://host:8000``, http or https, no credentials in it);
+    ``None``: regress starts one."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    """Name of the environment variable holding the server's API key (sent as a bearer token).
+    Only the name is stored; the value is passed to this candidate's engine process alone."""
+    concurrency: int = Field(1, ge=1, le=1024)
+    """Requests in flight at once (continuous batching packs them together)."""
+    health_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for a started server's ``GET /health`` (seconds)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Time limit of one request (seconds)."""
+
+    @field_validator("url")
+    @classmethod
+    def _plain_http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if "@" in parts.netloc:
+            raise ValueError("must not hold credentials (user:password@); name the API key's variable in api_key_env")
+        if parts.query or parts.fragment:
+            raise ValueError("must not hold a query or fragment")
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
+        return value.rstrip("/")
+
+
 class CandidateSpec(_Strict):
     """Everything that defines what is tested. The baseline that produced a golden is one too."""
 
@@ -289,7 +334,8 @@ class CandidateSpec(_Strict):
     requirements: list[str] = Field(default_factory=list)
     """Extra pip requirements installed beside the package in the candidate environment."""
     backend: str = "vllm"
-    """Engine backend (registered name): ``vllm`` (offline LLM.generate) or ``hf`` (transformers reference)."""
+    """Engine backend (registered name): ``vllm`` (offline LLM.generate), ``hf`` (transformers reference) or
+    ``server`` (vLLM's OpenAI-compatible server, see ``server``)."""
     model: str
     """Model directory or hub id."""
     revision: str | None = None
@@ -319,6 +365,15 @@ class CandidateSpec(_Strict):
     ``generation_config.json``) or a local directory holding a ``generation_config.json``. Applied
     just above the built-in defaults, below ``sampling`` (:func:`regress.effective.generation_defaults`).
     Left out of the stored form when ``vllm``, so plans and runs made before it keep their fingerprints."""
+    server: ServerSettings | None = Field(None, exclude_if=lambda v: v is None)
+    """Settings of the ``server`` backend (only with ``backend: server``; optional there). Left out
+    of the stored form when unset, so plans and runs made before it keep their fingerprints."""
+
+    @model_validator(mode="after")
+    def _server_needs_server_backend(self) -> "CandidateSpec":
+        if self.server is not None and self.backend != "server":
+            raise ValueError(f"'server' settings apply only to backend 'server', not {self.backend!r}")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -344,7 +399,7 @@ class CandidateSpec(_Strict):
         """The subset the engine side needs (JSON-serializable)."""
         return self.model_dump(
             include={"name", "backend", "model", "revision", "tokenizer", "chat_template",
-                     "dtype", "quantization", "engine_args"}
+                     "dtype", "quantization", "engine_args", "server"}
         )
 
 
@@ -579,6 +634,9 @@ class EffectiveConfig(_Record):
     """Whether batch-invariant kernels are on (vLLM ``VLLM_BATCH_INVARIANT``)."""
     attention: str | None = None
     """Attention implementation or backend, where the engine names it (hf: ``attn_implementation``)."""
+    server: dict[str, Any] | None = None
+    """``server`` backend only: the server's URL (credentials never recorded), endpoint, requests in
+    flight, whether regress started it, and the vLLM version the server reports."""
     engine_generation_defaults: dict[str, Any] | None = None
     """The model defaults the engine itself would apply to a request that leaves a field unset
     (vLLM ``model_config.get_diff_sampling_param()``). regress sets every field, so these apply
@@ -747,6 +805,60 @@ class PromptScore(_Record):
     """The expected answer checked in both outputs; None when the prompt has no ``expected``."""
 
 
+class LatencyStats(_Record):
+    """Latency of one run's requests (:mod:`regress.latency`). Per-request times exist only for
+    runs of the ``server`` backend (time to first token and total time of every request, several
+    in flight); for offline runs every field but ``throughput_tokens_per_s`` is None. Percentiles
+    are numpy's (linear interpolation) over the requests that have the time; seconds."""
+
+    requests: int = 0
+    """Requests with a measured total time (0 for offline runs)."""
+    ttft_p50_s: float | None = None
+    """Median time to first token."""
+    ttft_p95_s: float | None = None
+    """95th percentile of the time to first token."""
+    ttft_p99_s: float | None = None
+    """99th percentile of the time to first token."""
+    tpot_p50_s: float | None = None
+    """Median time per output token after the first: (total - TTFT) / max(1, output tokens - 1) per request."""
+    tpot_p95_s: float | None = None
+    """95th percentile of the time per output token."""
+    tpot_p99_s: float | None = None
+    """99th percentile of the time per output token."""
+    latency_p50_s: float | None = None
+    """Median total time of a request."""
+    latency_p95_s: float | None = None
+    """95th percentile of a request's total time."""
+    latency_p99_s: float | None = None
+    """99th percentile of a request's total time."""
+    throughput_tokens_per_s: float | None = None
+    """Output tokens per second of the run's generation wall time (the manifest's timings: every
+    shard's ``generation_s`` summed); None when that time is 0."""
+    concurrency: int | None = None
+    """Requests kept in flight (``server`` runs); None for offline runs."""
+
+
+class LatencyComparison(_Record):
+    """The candidate's latency against the golden's (``RunMetrics.latency``). A ratio is candidate
+    / golden (above 1: the candidate takes longer, or for throughput is faster); None when either
+    side lacks the number or the golden's is 0."""
+
+    golden: LatencyStats
+    """The golden's latency."""
+    candidate: LatencyStats
+    """The candidate's latency."""
+    ttft_p50_ratio: float | None = None
+    """Candidate / golden median time to first token."""
+    ttft_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile time to first token (gated by ``max_latency_ratio``)."""
+    tpot_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile time per output token (gated by ``max_latency_ratio``)."""
+    latency_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile total time (gated by ``max_latency_ratio``)."""
+    throughput_ratio: float | None = None
+    """Candidate / golden throughput (gated by ``min_throughput_ratio``)."""
+
+
 class RunMetrics(_Record):
     """Aggregates of one candidate against the golden: written as ``metrics.json`` (DVC metrics)."""
 
@@ -838,6 +950,22 @@ class RunMetrics(_Record):
     extra: dict[str, float | None] = Field(default_factory=dict, exclude_if=lambda v: not v)
     """Aggregates of metrics that have no field above (plugins' metrics), by the name their spec
     gives; left out of the file when there are none."""
+    latency: LatencyComparison | None = None
+    """Latency of golden and candidate and their ratios (:mod:`regress.latency`): per-request
+    percentiles for ``server`` runs, throughput only for offline runs; None in files written before it."""
+    latency_verdict: Literal["pass", "fail"] | None = None
+    """The latency verdict, apart from ``verdict`` (which is about outputs): fail when a ratio is past
+    ``max_latency_ratio`` or ``min_throughput_ratio``; None when neither is set or nothing could be compared."""
+    latency_reasons: list[str] = Field(default_factory=list)
+    """Why the latency verdict is what it is (empty without one)."""
+    latency_gates: bool = False
+    """Whether a failed latency verdict fails the check (``thresholds.gate_latency``); otherwise it is reported only."""
+
+    @property
+    def gating_failed(self) -> bool:
+        """Whether CI should stop: the output verdict failed, or the latency verdict failed and
+        gates (``thresholds.gate_latency: true``). What exit codes are decided by."""
+        return self.verdict == "fail" or (self.latency_gates and self.latency_verdict == "fail")
 
 
 class ScoredRun(_Record):

@@ -211,7 +211,7 @@ def test_metrics_backends_and_triggers_share_the_registry() -> None:
     assert metric_names() == sorted(METRICS.names())
     assert (METRICS.group, BACKENDS.group, TRIGGERS.group) == ("regress.metrics", "regress.backends", "regress.triggers")
     assert {"vllm", "hf"} <= set(backend_names()) and {"local", "celery", "github"} <= set(known_triggers())
-    with pytest.raises(UnknownPluginError, match="known backends: hf, vllm"):
+    with pytest.raises(UnknownPluginError, match="known backends: hf, server, vllm"):
         check_backend_name("tgi")
     check_backend_name("my_pkg.backend:MyBackend")  # the direct module:Class form
 

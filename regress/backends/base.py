@@ -50,6 +50,9 @@ class RawGeneration:
     text: str
     finish_reason: str
     logprobs: LogprobRows
+    timing: dict[str, float] | None = None
+    """Request timing where the backend measures it (the ``server`` backend): ``ttft_s``, send to
+    the first token, and ``total_s``, send to the last chunk (seconds)."""
 
 
 @dataclass

@@ -282,6 +282,12 @@ def _prepare_shim(candidate: CandidateSpec, shim: Path) -> dict[str, str]:
     # set any variable on purpose.
     env = {k: v for k, v in without_secrets(os.environ).items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(engine_environment(candidate))
+    # The server backend's API key, by the variable the candidate names: passed to this engine
+    # alone, whatever its name looks like, and never recorded (the manifest shows only
+    # engine_environment, which does not hold it).
+    key_variable = candidate.server.api_key_env if candidate.server is not None else None
+    if key_variable and key_variable in os.environ:
+        env[key_variable] = os.environ[key_variable]
     # The candidate may add its own paths (a custom backend module, say) after the shim.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), candidate.env.get("PYTHONPATH")) if p)
     # vLLM leaves a file in the temp directory per engine start (its distributed init file,

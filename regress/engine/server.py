@@ -55,6 +55,7 @@ from regress.engine.protocol import (
     encode,
 )
 from regress.engine.vocabulary import vocabulary
+from regress.errors import InputError
 from regress.storage import atomic_write_text, ragged, write_shard
 
 _PROGRESS_INTERVAL_S = 0.25
@@ -234,6 +235,7 @@ class EngineServer:
             "teacher_forcing_s": teacher_forcing_s,
             "prompt_tokens": int(prompt_tokens.size),
             "output_tokens": int(output_tokens.size),
+            **_timing_meta(self.backend, outputs),
         }
         write_shard(request.out, meta, arrays)
         return ShardReply(result={
@@ -266,6 +268,20 @@ class EngineServer:
         return out, False
 
 
+def _timing_meta(backend: EngineBackend, outputs: list[Any]) -> dict[str, Any]:
+    """Per-request timing (``ttft_s``, ``latency_s``: lists in prompt order, None where absent) and
+    the backend's ``concurrency``, for backends that measure them (empty otherwise)."""
+    out: dict[str, Any] = {}
+    concurrency = getattr(backend, "concurrency", None)
+    if isinstance(concurrency, int):
+        out["concurrency"] = concurrency
+    timings = [getattr(o, "timing", None) for o in outputs]
+    if any(timings):
+        out["ttft_s"] = [t.get("ttft_s") if t else None for t in timings]
+        out["latency_s"] = [t.get("total_s") if t else None for t in timings]
+    return out
+
+
 def _error(exc: BaseException, kind: str) -> ErrorDetail:
     return {"type": kind, "message": str(exc) or type(exc).__name__, "traceback": traceback.format_exc(limit=20)}
 
@@ -287,7 +303,9 @@ def serve(requests: IO[str], channel: _Channel) -> None:
             reply: Reply = server.handle(request)
         except Exception as exc:  # every failure goes back to the orchestrator, which translates it
             # The request is wrong for this model: an input error, not an engine crash.
-            kind = INPUT_ERROR if isinstance(exc, ChatTemplateMissing) else type(exc).__name__
+            # (Any InputError a backend raises: a chat template missing, a server that refuses the
+            # key or serves another model.)
+            kind = INPUT_ERROR if isinstance(exc, InputError) else type(exc).__name__
             reply = ErrorReply(op=request.op, error=_error(exc, kind))
         channel.send(reply)
 

@@ -82,7 +82,7 @@ _EFFECTIVE_ROWS = (
     ("attention", "attention"), ("enable_prefix_caching", "prefix caching"),
     ("enable_chunked_prefill", "chunked prefill"), ("max_num_seqs", "max num seqs"),
     ("max_num_batched_tokens", "max num batched tokens"), ("batch_invariant", "batch invariant"),
-    ("generation_config", "generation_config"),
+    ("generation_config", "generation_config"), ("server", "server"),
 )
 
 

@@ -1,0 +1,429 @@
+"""The ``server`` backend (issue 16): replay through vLLM's OpenAI-compatible server.
+
+One real server (the current environment's vLLM, fixture model, the golden's engine settings,
+an API key) serves the module as a ``url:`` server; one test has regress start its own. The
+replays are scored against the offline golden. Pre-run errors (a refused key, another model, no
+logprobs) use a tiny fake server on loopback; an unreachable URL uses a port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ENGINE_BASE, run_cli
+from fake_openai_server import FakeOpenAIServer
+
+KEY_VARIABLE = "REGRESS_TEST_SERVER_KEY"  # looks like a secret of regress: stripped unless passed through
+KEY_VALUE = "sk-test-9f3c2b7a-never-in-a-file"
+
+
+# -- no engine --------------------------------------------------------------------------
+
+
+def test_server_settings_validation():
+    from pydantic import ValidationError
+
+    from regress.records import CandidateSpec
+
+    spec = CandidateSpec(name="s", model="m", backend="server",
+                         server={"url": "https://h.example:8443/", "api_key_env": "MY_KEY", "concurrency": 8})
+    assert spec.server.url == "https://h.example:8443" and spec.engine_spec()["server"]["concurrency"] == 8
+    # Unset: not in the stored form, so fingerprints of existing candidates do not change.
+    assert "server" not in CandidateSpec(name="s", model="m").model_dump()
+    assert "server" not in CandidateSpec(name="s", model="m", backend="server").model_dump()
+    for bad in ({"url": "http://user:pass@h"}, {"url": "ftp://h"}, {"url": "h:8000"}, {"api_key_env": "my-key"},
+                {"concurrency": 0}, {"concurrency": 1025}, {"colour": 1}):
+        with pytest.raises(ValidationError):
+            CandidateSpec(name="s", model="m", backend="server", server=bad)
+    with pytest.raises(ValidationError, match="only to backend 'server'"):
+        CandidateSpec(name="s", model="m", server={})
+
+
+def test_engine_args_become_flags():
+    from regress.backends.vllm_server import engine_arg_flags, server_command
+
+    flags = engine_arg_flags({"enforce_eager": True, "max_model_len": 4096, "enable_prefix_caching": False,
+                              "compilation_config": {"mode": 0}, "seed": None},
+                             known={"--no-enable-prefix-caching"})
+    assert flags == ["--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching",
+                     "--compilation-config", '{"mode": 0}']
+    assert engine_arg_flags({"trust_remote_code": False}, known=set()) == []
+    command = server_command({"model": "/m", "dtype": "bfloat16", "quantization": "fp8", "tokenizer": "/t",
+                              "engine_args": {"enforce_eager": True}}, 9000, python="py")
+    assert command == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--dtype", "bfloat16",
+                       "--quantization", "fp8", "--tokenizer", "/t", "--host", "127.0.0.1", "--port", "9000",
+                       "--enforce-eager"]
+
+
+def test_top_logprobs_rows_put_the_chosen_token_at_its_rank():
+    from regress.backends.vllm_server import _rows, _top_row, prompt_rows
+
+    # The chosen token outside the top-k: listed first, then the top-k in rank order.
+    assert _top_row(7, {"token_id:7": -3.0, "token_id:1": -0.5, "token_id:2": -1.0}, 2) == (-3.0, [1, 2], [-0.5, -1.0])
+    # Inside: listed once (first); put back at its place.
+    assert _top_row(2, {"token_id:2": -1.0, "token_id:1": -0.5, "token_id:3": -2.0}, 3) == (
+        -1.0, [1, 2, 3], [-0.5, -1.0, -2.0])
+    # The server clamps -inf to -9999 (JSON has no infinity): read back as -inf.
+    chosen, ids, lps = _top_row(1, {"token_id:1": -0.5, "token_id:2": -9999.0}, 2)
+    rows = _rows([chosen], [ids], [lps], 2)
+    assert rows.top_ids.tolist() == [[1, 2]] and rows.top_logprobs.tolist() == [[-0.5, float("-inf")]]
+    rows = prompt_rows([None, {"4": {"logprob": -2.0, "rank": 3}, "8": {"logprob": -0.1, "rank": 1},
+                               "9": {"logprob": -1.0, "rank": 2}}], [4], 1, 2)
+    assert rows.token_logprobs.tolist() == [-2.0] and rows.top_ids.tolist() == [[8, 9]]
+
+
+def test_api_key_variable_reaches_only_its_engine(tmp_path, monkeypatch):
+    from regress.engine.client import _prepare_shim
+    from regress.records import CandidateSpec
+    from regress.replay.manifest import _shown_env
+    from regress.engine.client import engine_environment
+
+    monkeypatch.setenv(KEY_VARIABLE, KEY_VALUE)
+    monkeypatch.setenv("REGRESS_OTHER_TOKEN", "x")
+    server = CandidateSpec(name="s", model="m", backend="server", server={"api_key_env": KEY_VARIABLE})
+    (tmp_path / "a").mkdir()
+    env = _prepare_shim(server, tmp_path / "a")
+    assert env[KEY_VARIABLE] == KEY_VALUE and "REGRESS_OTHER_TOKEN" not in env
+    (tmp_path / "b").mkdir()
+    assert KEY_VARIABLE not in _prepare_shim(CandidateSpec(name="o", model="m"), tmp_path / "b")
+    assert KEY_VALUE not in json.dumps(_shown_env(engine_environment(server)))
+
+
+def test_diff_files_server_settings():
+    from regress.effective import differences
+    from regress.records import CandidateSpec
+
+    a = CandidateSpec(name="a", model="m", backend="server")
+    b = CandidateSpec(name="b", model="m", backend="server", server={"url": "http://h:8000", "concurrency": 8})
+    found = {(d.source, d.name): (d.baseline, d.candidate) for d in differences(a, b)}
+    assert found[("scheduling and batching", "server.concurrency")] == ("1", "8")
+    assert found[("engine", "server.url")] == ("started by regress", "http://h:8000")
+
+
+# -- real server --------------------------------------------------------------------------
+
+
+def _start_server(model: Path, log: Path, *extra: str):
+    """vLLM's server from the current environment with the golden's engine settings."""
+    from regress.backends.vllm_server import ServerProcess, free_port, server_command, server_environment
+
+    port = free_port()
+    spec = {"model": str(model), "dtype": ENGINE_BASE["dtype"], "engine_args": ENGINE_BASE["engine_args"]}
+    env = server_environment({**os.environ, **ENGINE_BASE["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    server = ServerProcess(server_command(spec, port) + list(extra), env, sink=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    server.wait_healthy(url, 600)
+    return server, url
+
+
+@pytest.fixture(scope="module")
+def served(fixture_model: Path, tmp_path_factory):
+    """One real server for the module (API key required), as a url: server."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server, url = _start_server(fixture_model, log, "--api-key", KEY_VALUE)
+    yield url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server_workspace(tmp_path_factory, fixture_model: Path, golden_dir: Path, served: str) -> Path:
+    """A project of its own (the session's golden copied in), so that the session workspace's
+    candidates stay as other modules expect them."""
+    import shutil
+
+    from conftest import write_params
+    from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
+
+    root = tmp_path_factory.mktemp("served-workspace")
+    write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)
+    shutil.copytree(golden_dir, root / "golden")
+    write_params(root, model=fixture_model, candidates={
+        "server-c1": {"backend": "server", "server": {"url": served, "api_key_env": KEY_VARIABLE}},
+        "server-c8": {"backend": "server", "server": {"url": served, "api_key_env": KEY_VARIABLE, "concurrency": 8}},
+        "server-own": {"backend": "server", "server": {"concurrency": 4}},
+    })
+    return root
+
+
+def _check(workspace: Path, name: str) -> tuple[int, Counter, float]:
+    from regress.scoring import read_scored_run
+
+    started = time.monotonic()
+    result = run_cli("check", name, cwd=workspace, env={KEY_VARIABLE: KEY_VALUE})
+    assert result.returncode in (0, 1), result.stderr
+    report = read_scored_run(workspace / "scores" / name)
+    return result.returncode, Counter(s.prompt_class for s in report.scores), time.monotonic() - started
+
+
+def _metas(run: Path) -> list[dict]:
+    from regress.storage import read_shard_meta
+
+    shards = sorted((run / "shards").glob("*.shard"))
+    assert shards
+    return [read_shard_meta(p) for p in shards]
+
+
+def _no_key_in(run: Path) -> None:
+    for name in ("manifest.json", "engine.log"):
+        assert KEY_VALUE not in (run / name).read_text(encoding="utf-8", errors="replace"), name
+
+
+@pytest.mark.engine
+def test_server_replay_matches_the_offline_golden(server_workspace: Path):
+    code, classes, seconds = _check(server_workspace, "server-c1")
+    print(f"server-c1: {dict(classes)} in {seconds:.1f} s")
+    assert code == 0 and set(classes) <= {"identical", "benign"}, classes
+    run = server_workspace / "runs" / "server-c1"
+    metas = _metas(run)
+    for meta in metas:
+        assert meta["concurrency"] == 1
+        assert len(meta["ttft_s"]) == len(meta["latency_s"]) == len(meta["prompt_ids"])
+        assert all(0 < t <= total for t, total in zip(meta["ttft_s"], meta["latency_s"]))
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["candidate"]["server"]["url"] == served_url(server_workspace)
+    assert KEY_VARIABLE not in manifest.get("env_vars", {})
+    _no_key_in(run)
+
+
+def served_url(workspace: Path) -> str:
+    return yaml.safe_load((workspace / "params.yaml").read_text())["candidates"]["server-c1"]["server"]["url"]
+
+
+@pytest.mark.engine
+def test_concurrency_8_is_scored(server_workspace: Path):
+    code, classes, seconds = _check(server_workspace, "server-c8")
+    print(f"server-c8: {dict(classes)} in {seconds:.1f} s (exit {code})")
+    assert sum(classes.values()) == 40
+    metas = _metas(server_workspace / "runs" / "server-c8")
+    assert all(m["concurrency"] == 8 and None not in m["ttft_s"] for m in metas)
+    _no_key_in(server_workspace / "runs" / "server-c8")
+
+
+@pytest.mark.engine
+def test_regress_starts_and_stops_its_own_server(server_workspace: Path):
+    started = time.monotonic()
+    result = run_cli("replay", "server-own", cwd=server_workspace)
+    print(f"server-own replay: {time.monotonic() - started:.1f} s")
+    assert result.returncode == 0, result.stderr
+    run = server_workspace / "runs" / "server-own"
+    log = (run / "engine.log").read_text(encoding="utf-8", errors="replace")
+    assert "starting the vLLM server" in log and "Application startup complete" in log
+    assert all(m["concurrency"] == 4 and len(m["latency_s"]) == len(m["prompt_ids"]) for m in _metas(run))
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["versions"]["packages"]["server vllm"]
+    # The server is gone with the engine process: nothing listens on its port any more.
+    port = next(line.split("--port ")[1].split()[0] for line in log.splitlines() if "starting the vLLM server" in line)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+# -- pre-run errors -----------------------------------------------------------------------
+
+
+def _error_workspace(tmp_path: Path, fixture_model: Path, server: dict) -> Path:
+    """A project whose baseline is a server candidate (so `regress golden` needs no golden)."""
+    from conftest import write_params
+    from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
+
+    write_demo_prompts(tmp_path / "datasets" / "prompts", which=FIXTURE_PROMPTS)
+    write_params(tmp_path, model=fixture_model, baseline={"backend": "server", "server": server})
+    return tmp_path
+
+
+def _golden(workspace: Path, env: dict | None = None):
+    return run_cli("golden", cwd=workspace, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("mode, key, expected", [
+    ("ok", "wrong", "refused the API key"),
+    ("other-model", KEY_VALUE, "some-other-model"),
+    ("no-logprobs", KEY_VALUE, "did not return token ids and logprobs"),
+])
+def test_pre_run_input_errors(tmp_path, fixture_model, mode, key, expected):
+    with FakeOpenAIServer(str(fixture_model), mode=mode, key=KEY_VALUE) as fake:
+        workspace = _error_workspace(tmp_path, fixture_model, {"url": fake.url, "api_key_env": KEY_VARIABLE})
+        result = _golden(workspace, env={KEY_VARIABLE: key})
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    if mode == "other-model":
+        assert str(fixture_model) in result.stderr
+    assert KEY_VALUE not in result.stderr + result.stdout
+    for log in workspace.rglob("engine.log"):
+        assert KEY_VALUE not in log.read_text(errors="replace")
+
+
+def test_unreachable_url_is_a_run_error(tmp_path, fixture_model):
+    from regress.backends.vllm_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    workspace = _error_workspace(tmp_path, fixture_model, {"url": url})
+    result = _golden(workspace)
+    assert result.returncode == 3, result.stderr
+    assert url in result.stderr and "unreachable" in result.stderr
+
+
+def test_streamed_rows_vectorized_equal_row_by_row():
+    import random
+
+    from regress.backends.vllm_server import _rows, _top_row, stream_rows
+
+    rng, k = random.Random(0), 4
+    tokens, tops = [], []
+    for _ in range(500):
+        lps = sorted((-rng.random() * 5 for _ in range(k + 2)), reverse=True)
+        ids = rng.sample(range(1000), k + 2)
+        chosen = ids[rng.choice([0, 0, 0, 1, k - 1, k + 1])]
+        row = {f"token_id:{chosen}": lps[ids.index(chosen)]}
+        row.update({f"token_id:{i}": lp for i, lp in zip(ids[:k], lps[:k]) if i != chosen})
+        if rng.random() < 0.05:
+            row = dict(reversed(list(row.items())))
+        tokens.append(f"token_id:{chosen}")
+        tops.append(row)
+    token_ids, fast = stream_rows(tokens, tops, k)
+    slow = [_top_row(t, d, k) for t, d in zip(token_ids, tops)]
+    expected = _rows([s[0] for s in slow], [s[1] for s in slow], [s[2] for s in slow], k)
+    assert token_ids == [int(t[9:]) for t in tokens]
+    for a, b in ((fast.top_ids, expected.top_ids), (fast.top_logprobs, expected.top_logprobs),
+                 (fast.token_logprobs, expected.token_logprobs)):
+        assert np.array_equal(a, b)
+
+
+# -- a server that dies mid-run; concurrency as a noise arm ---------------------------------
+
+
+class _Relay:
+    """A TCP relay on loopback in front of the real server: the candidate's ``url`` points at it,
+    so "the server dies" is the relay closing (every connection cut, nothing listening) while the
+    real server, which computes every token, keeps running for the rerun."""
+
+    def __init__(self, target_port: int, port: int | None = None):
+        import socket
+        import threading
+
+        from regress.backends.vllm_server import free_port
+
+        self.target_port = target_port
+        self.port = port or free_port()
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", self.port))
+        self._socket.listen(64)
+        self._open: list[socket.socket] = []
+        self._stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stopped:
+            try:
+                client, _ = self._socket.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:  # type: ignore[no-untyped-def]
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def kill(self) -> None:
+        import socket
+
+        self._stopped = True
+        self._socket.close()
+        for s in self._open:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.engine
+def test_a_server_that_dies_mid_run_names_the_missing_prompts_and_a_rerun_resumes(server_workspace: Path, served: str):
+    import subprocess
+    import sys
+
+    relay = _Relay(int(served.rsplit(":", 1)[1]))
+    params = yaml.safe_load((server_workspace / "params.yaml").read_text())
+    params["candidates"]["server-dying"] = {"backend": "server", "server": {"url": relay.url, "api_key_env": KEY_VARIABLE}}
+    (server_workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    partial = server_workspace / "runs" / "server-dying.partial" / "shards"
+    proc = subprocess.Popen([sys.executable, "-m", "regress.cli", "replay", "server-dying", "--shard-size", "4"],
+                            cwd=server_workspace, env={**os.environ, KEY_VARIABLE: KEY_VALUE},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(list(partial.glob("*.shard"))) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    relay.kill()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 3, stderr
+    done = {p.name: p.stat().st_mtime_ns for p in partial.glob("*.shard")}
+    assert 2 <= len(done) < 10, done
+    assert "prompt(s) not run:" in stderr and "run the command again to resume" in stderr, stderr
+    assert relay.url in stderr  # the restarted engine could not reach it: named
+    # The server is back at the same address: the rerun runs only the missing shards.
+    relay = _Relay(relay.target_port, port=relay.port)
+    try:
+        again = run_cli("replay", "server-dying", "--shard-size", "4", cwd=server_workspace,
+                        env={KEY_VARIABLE: KEY_VALUE})
+    finally:
+        relay.kill()
+    assert again.returncode == 0, again.stderr
+    run = server_workspace / "runs" / "server-dying"
+    for name, mtime in done.items():
+        assert (run / "shards" / name).stat().st_mtime_ns == mtime  # kept, not redone
+    from regress.runs import load_run
+
+    assert len(load_run(run)) == 40
+
+
+@pytest.mark.engine
+def test_concurrency_is_a_noise_arm_of_a_server_baseline(tmp_path: Path, fixture_model: Path, served: str):
+    """A golden made through the server one request at a time, and the baseline again with 8 in
+    flight as its noise arm: golden/noise.json records the arm."""
+    from conftest import write_params
+    from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
+
+    write_demo_prompts(tmp_path / "datasets" / "prompts", which=FIXTURE_PROMPTS)
+    path = write_params(tmp_path, model=fixture_model,
+                        baseline={"backend": "server", "server": {"url": served, "api_key_env": KEY_VARIABLE}})
+    data = yaml.safe_load(path.read_text())
+    data["noise"] = {"arms": ["concurrency"]}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = run_cli("golden", cwd=tmp_path, env={KEY_VARIABLE: KEY_VALUE})
+    assert result.returncode == 0, result.stderr
+    noise = json.loads((tmp_path / "golden" / "noise.json").read_text())
+    (arm,) = noise["arms"]
+    assert arm["name"] == "concurrency" and "requests in flight: 8 instead of 1" in arm["changed"]
+    assert arm["prompts"] == 40 and arm["identical"] + arm["diverged"] == 40
+    metas = _metas(tmp_path / "golden" / "noise-arms" / "concurrency")
+    assert all(m["concurrency"] == 8 for m in metas)
+    _no_key_in(tmp_path / "golden")
