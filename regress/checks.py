@@ -41,6 +41,12 @@ class CheckResult:
     def verdict(self) -> str:
         return self.scored.report.metrics.verdict
 
+    @property
+    def gating_failed(self) -> bool:
+        """Whether the check fails CI: the output verdict, or a latency verdict that gates
+        (``thresholds.gate_latency``)."""
+        return self.scored.report.metrics.gating_failed
+
 
 def executor_for(params: Params, choice: str | None = None, queue: str | None = None) -> "Executor | None":
     """The executor asked for (``choice``, else params.yaml's ``executor``); ``None`` is local."""

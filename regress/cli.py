@@ -336,6 +336,16 @@ def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
     intervals = ", ".join(f"{x.label} {x.value}" for x in rates(m))
     if intervals:
         _out(f"  {intervals}")
+    lat = m.latency
+    if lat is not None and lat.candidate.requests:
+        g, c = lat.golden, lat.candidate
+        ms = lambda v: "n/a" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
+        _out(f"  latency at concurrency {c.concurrency}: TTFT p50 {ms(c.ttft_p50_s)} (golden {ms(g.ttft_p50_s)}), "
+             f"p95 {ms(c.ttft_p95_s)} (golden {ms(g.ttft_p95_s)}); total p95 {ms(c.latency_p95_s)} "
+             f"(golden {ms(g.latency_p95_s)})")
+    if m.latency_verdict is not None:
+        gates = "gating" if m.latency_gates else "reported, not gating"
+        _out(f"  latency {m.latency_verdict.upper()} ({gates})" + "".join(f"\n  - {r}" for r in m.latency_reasons))
     for reason in report.verdict_reasons:
         _out(f"  - {reason}")
     worst = [s for s in report.scores if s.prompt_class == "regression"][:5]
@@ -393,7 +403,7 @@ def check(
     if result.scored.diagnosis is not None:
         _print_diagnosis(result.scored.diagnosis)
     _out(f"report: {result.scored.page}")
-    if result.verdict == "fail":
+    if result.gating_failed:
         raise typer.Exit(EXIT_REGRESSION)
 
 
@@ -586,10 +596,14 @@ def gate(
             m = RunMetrics.model_validate_json(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StorageError(f"{path}: cannot read the candidate's metrics ({exc})") from exc
-        if m.verdict == "fail":
+        if m.gating_failed:
             failed.append(name)
-        _out(f"{m.verdict.upper():4}  {name:24} {m.regression} regression, {m.drift} drift, {m.benign} benign, "
-             f"{m.identical} identical of {m.prompts}")
+        latency = ""
+        if m.latency_verdict == "fail":
+            latency = f"; latency FAIL ({'gating' if m.latency_gates else 'reported, not gating'})"
+        shown = "FAIL" if m.gating_failed else m.verdict.upper()
+        _out(f"{shown:4}  {name:24} {m.regression} regression, {m.drift} drift, {m.benign} benign, "
+             f"{m.identical} identical of {m.prompts}{latency}")
         junit = p.reports_dir() / name / "junit.xml"
         if annotate and junit.is_file():
             from regress.report.annotations import junit_annotations

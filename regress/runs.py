@@ -34,6 +34,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -184,6 +185,16 @@ class RunResult:
     verified: bool = True
     """Whether every shard was checked against a hash in the manifest (False: the manifest
     predates shard hashes; the shards parsed and their run ids matched, nothing more)."""
+    ttft_s: list[float | None] | None = None
+    """Per prompt, the time to its first token in seconds, as the ``server`` backend measured it
+    (shard meta ``ttft_s``); None entries where unknown (a shard that did not record it), and None
+    altogether for a run that recorded no timing (offline runs, runs written before it)."""
+    latency_s: list[float | None] | None = None
+    """Per prompt, the request's total time in seconds (shard meta ``latency_s``); None as for
+    :attr:`ttft_s`."""
+    concurrency: int | None = None
+    """Requests the ``server`` backend kept in flight (shard meta ``concurrency``); None when not
+    recorded."""
 
     def __post_init__(self) -> None:
         self._index = {pid: i for i, pid in enumerate(self.prompt_ids)}
@@ -380,6 +391,9 @@ def load_run(path: str | Path) -> RunResult:
     texts: list[str] = []
     finish: list[str] = []
     sampling: list[dict[str, Any]] = []
+    ttft: list[float | None] = []
+    latency: list[float | None] = []
+    concurrency: int | None = None
     parts = []
     recorded = {f.index: f for f in manifest.shard_files or []}
     for shard in manifest.layout.shards:
@@ -410,9 +424,50 @@ def load_run(path: str | Path) -> RunResult:
         texts += meta["texts"]
         finish += meta["finish_reasons"]
         sampling += meta["sampling"]
+        ttft += _timing_list(file, meta, "ttft_s", shard.count)
+        latency += _timing_list(file, meta, "latency_s", shard.count)
+        if concurrency is None:
+            concurrency = _concurrency(file, meta)
         parts.append(arrays)
+    timed = any(v is not None for v in ttft) or any(v is not None for v in latency)
     return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, _concatenate(parts),
-                     verified=manifest.shard_files is not None)
+                     verified=manifest.shard_files is not None,
+                     ttft_s=ttft if timed else None, latency_s=latency if timed else None,
+                     concurrency=concurrency)
+
+
+TIMING_LISTS = ("ttft_s", "latency_s")
+"""Per-prompt timing lists a ``server`` run's shard meta holds, aligned with ``prompt_ids``
+(seconds, ``null`` where unknown); shards of offline runs have none."""
+
+
+def _timing_list(file: Path, meta: dict[str, Any], key: str, count: int) -> list[float | None]:
+    """A shard's per-prompt timing list ``key`` (None entries when the shard has none): a list of
+    the wrong length, or holding anything but non-negative finite numbers and nulls, is a
+    :class:`StorageError` naming the shard."""
+    value = meta.get(key)
+    if value is None:
+        return [None] * count
+    if not isinstance(value, list) or len(value) != count:
+        raise StorageError(f"{file}: not a consistent shard: '{key}' is not a list of {count} entries")
+    out: list[float | None] = []
+    for v in value:
+        if v is None:
+            out.append(None)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+            out.append(float(v))
+        else:
+            raise StorageError(f"{file}: not a consistent shard: '{key}' holds {v!r}, not seconds or null")
+    return out
+
+
+def _concurrency(file: Path, meta: dict[str, Any]) -> int | None:
+    value = meta.get("concurrency")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise StorageError(f"{file}: not a consistent shard: 'concurrency' is {value!r}, not a positive integer")
+    return value
 
 
 def _verify_bytes(file: Path, index: int, data: bytes, expected: ShardFile) -> None:

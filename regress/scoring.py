@@ -253,12 +253,25 @@ def score_runs(
         **answers,
         **stats,
         extra=extra,
+        **_latency_fields(golden, run, t),
     )
     if noise is not None:  # what the noise floor changed, for metrics.json and the report
         run_metrics = run_metrics.model_copy(update={"noise_floor": noise_floor.applied(configured, t, noise, made_benign)})
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
     return ScoredRun(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
+
+
+def _latency_fields(golden: RunResult, run: RunResult, t: Any) -> dict[str, Any]:
+    """RunMetrics' latency fields: both runs' latency and their ratios (:mod:`regress.latency`),
+    and the latency verdict, apart from the output verdict (:func:`regress.verdict.latency_verdict`)."""
+    from regress.latency import compare_runs
+    from regress.verdict import latency_verdict
+
+    latency = compare_runs(golden, run)
+    verdict, reasons = latency_verdict(latency, t)
+    return {"latency": latency, "latency_verdict": verdict, "latency_reasons": reasons,
+            "latency_gates": bool(getattr(t, "gate_latency", False))}
 
 
 def scoring_id(scored: ScoredRun) -> str:

@@ -35,6 +35,11 @@ correct, candidate not) is reported per prompt and per run, and fails the run on
 Rates are judged by their confidence intervals (:mod:`regress.stats`): ``max_regression_rate`` and
 ``max_answer_flip_rate`` fail the run when the lower bound of the rate's Wilson interval exceeds them.
 ``max_regression_rate`` set without an explicit ``max_regressions`` turns the count gate off.
+
+Latency is judged apart (:func:`latency_verdict`, ``RunMetrics.latency_verdict``): ``max_latency_ratio``
+bounds the candidate's p95 time to first token, time per output token and total time against the
+golden's, ``min_throughput_ratio`` its throughput. The output verdict never changes for it; a failed
+latency verdict fails the check only with ``gate_latency: true`` (``RunMetrics.gating_failed``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,17 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
         "prompts with an expected answer, at `confidence`) exceeds this. None (the default): not gating."))),
     "confidence": (float, Field(0.95, ge=0.5, le=0.999, description=(
         "Confidence level of the rate intervals (Wilson score) in metrics.json and the rate gates."))),
+    # Latency (regress.latency): judged apart from the outputs, in RunMetrics.latency_verdict.
+    "max_latency_ratio": (float | None, Field(None, gt=0, description=(
+        "The latency verdict fails when the candidate's p95 time to first token, p95 time per output token "
+        "or p95 total time is more than this times the golden's (1.2: 20 % slower). Needs per-request times "
+        "(server runs). None (the default): not checked."))),
+    "min_throughput_ratio": (float | None, Field(None, gt=0, description=(
+        "The latency verdict fails when the candidate's throughput (output tokens per second of generation "
+        "time) is below this times the golden's (0.8: 20 % fewer tokens/s). None (the default): not checked."))),
+    "gate_latency": (bool, Field(False, description=(
+        "Whether a failed latency verdict fails the check (exit 1) like a failed output verdict. False (the "
+        "default): latency is reported (metrics.json, report, summary.md, JUnit properties), never gating."))),
 }
 _METRICS_FIELD: tuple[Any, Any] = (list[str] | None, Field(None, description=(
     "Metrics to compute (default: all built in). Drop 'semantic' to skip embeddings; add a registered "
@@ -357,3 +373,67 @@ def _answer_notes(answers: Mapping[str, Any] | None, t: Any, *, failed: bool,
     elif lost:
         note += " (reported, not gating: thresholds.max_answer_flips_lost is not set)"
     return [note]
+
+
+LATENCY_GATES = (
+    # (ratio field of LatencyComparison, label, golden and candidate stat fields)
+    ("ttft_p95_ratio", "p95 time to first token", "ttft_p95_s"),
+    ("tpot_p95_ratio", "p95 time per output token", "tpot_p95_s"),
+    ("latency_p95_ratio", "p95 total time", "latency_p95_s"),
+)
+"""What ``max_latency_ratio`` bounds, in the order the reasons list them."""
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
+    """The latency verdict of a :class:`~regress.records.LatencyComparison` (or None) under the
+    thresholds ``max_latency_ratio`` and ``min_throughput_ratio``: ``fail`` when a p95 time (TTFT,
+    time per output token, total) is more than ``max_latency_ratio`` times the golden's, or the
+    throughput is below ``min_throughput_ratio`` times the golden's; ``pass`` when something was
+    compared and nothing failed; None (with a reason when a bound was set) when no bound is set or
+    there is nothing to compare. Apart from :func:`run_verdict`: the output verdict does not change;
+    whether this one fails the check is ``gate_latency``."""
+    max_ratio = getattr(t, "max_latency_ratio", None)
+    min_throughput = getattr(t, "min_throughput_ratio", None)
+    if max_ratio is None and min_throughput is None:
+        return None, []
+    if latency is None:
+        return None, ["latency not compared: the runs record no timings"]
+    failures: list[str] = []
+    passes: list[str] = []
+    checked = False
+    if max_ratio is not None:
+        for field, label, stat in LATENCY_GATES:
+            r = getattr(latency, field)
+            if r is None:
+                continue
+            checked = True
+            shown = (f"{label} {_seconds(getattr(latency.candidate, stat))} vs golden "
+                     f"{_seconds(getattr(latency.golden, stat))} ({r:.2f}×)")
+            if r > max_ratio:
+                failures.append(f"{shown} exceeds {max_ratio:g}× (max_latency_ratio)")
+            else:
+                passes.append(f"{shown}: within {max_ratio:g}×")
+        if not any(getattr(latency, f) is not None for f, _, _ in LATENCY_GATES):
+            passes.append("per-request latency not compared: no per-request times on both sides "
+                          "(only server runs record them); max_latency_ratio not checked")
+    if min_throughput is not None:
+        r = latency.throughput_ratio
+        if r is None:
+            passes.append("throughput not compared (no generation time recorded); min_throughput_ratio not checked")
+        else:
+            checked = True
+            shown = (f"throughput {latency.candidate.throughput_tokens_per_s:,.1f} tokens/s vs golden "
+                     f"{latency.golden.throughput_tokens_per_s:,.1f} ({r:.2f}×)")
+            if r < min_throughput:
+                failures.append(f"{shown} below {min_throughput:g}× (min_throughput_ratio)")
+            else:
+                passes.append(f"{shown}: at least {min_throughput:g}×")
+    if failures:
+        return "fail", failures + passes
+    return ("pass" if checked else None), passes

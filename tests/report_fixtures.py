@@ -283,3 +283,42 @@ def build_diagnosis(case: Case, *, why: str = HOSTILE[0], max_prompts: int | Non
                      probes=probes, prompts=prompts, by_cause=by_cause,
                      engine_loads=sum(p.engine_loads for p in probes), seconds=sum(p.seconds for p in probes),
                      left_out=left_out)
+
+
+def add_timings(run_dir: Path, ttft: list[float | None], latency: list[float | None], *,
+                concurrency: int | None = 8, generation_s: float | None = None) -> RunResult:
+    """Make the run in ``run_dir`` look like a ``server`` run: ``ttft_s``, ``latency_s`` (one entry
+    per prompt, in prompt order; None is ``null``) and ``concurrency`` added to every shard's meta,
+    split at the shards' boundaries (``concurrency=None`` leaves it out). ``generation_s`` also
+    sets the manifest's generation time (throughput). The manifest is rewritten with the new
+    shard hashes; returns the run read back."""
+    from regress.runs import read_manifest
+    from regress.storage import read_shard
+
+    manifest = read_manifest(run_dir)
+    for shard in manifest.layout.shards:
+        file = shard_file(run_dir, shard.index)
+        meta, arrays = read_shard(file)
+        meta = {k: v for k, v in meta.items() if k not in ("shard_format_version", "arrays")}
+        meta["ttft_s"] = ttft[shard.start:shard.start + shard.count]
+        meta["latency_s"] = latency[shard.start:shard.start + shard.count]
+        if concurrency is not None:
+            meta["concurrency"] = concurrency
+        write_shard(file, meta, arrays)
+    if generation_s is not None:
+        timings = manifest.timings.model_copy(update={
+            "generation_s": generation_s, "tokens_per_s": round(manifest.timings.output_tokens / generation_s, 2)})
+        manifest = manifest.model_copy(update={"timings": timings})
+    write_manifest(run_dir, manifest)
+    return load_run(run_dir)
+
+
+def rescore(case: Case, thresholds: Any = None, *, golden: RunResult | None = None,
+            run: RunResult | None = None) -> Case:
+    """``case`` scored again (with other runs, e.g. after :func:`add_timings`, or other thresholds),
+    without the semantic metric."""
+    golden, run = golden or load_run(case.root / "golden"), run or load_run(case.root / "run")
+    t = thresholds or Thresholds(metrics=NO_SEMANTIC)
+    tags = {s.prompt_id: s.tags for s in case.score.scores}
+    score = score_runs(golden, run, t, tags=tags, metrics=build_metrics(t, encoder=BagOfWordsEncoder()))
+    return Case(case.root, golden, run, score, case.prompt_set)

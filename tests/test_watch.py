@@ -518,6 +518,7 @@ def test_the_builtin_check_runs_the_baseline_with_the_new_package(tmp_path, monk
 
     class Result:
         verdict = "fail"
+        gating_failed = True
         scored = Scored
 
     def fake_run_check(p: Any, spec: Any, **kwargs: Any) -> Any:

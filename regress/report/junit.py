@@ -6,6 +6,9 @@ token by token); drift and benign prompts
 pass, with their class and reasons in ``system-out``. A prompt that lost its expected answer
 (golden correct, candidate not) fails too, like a regression: ``type="answer_lost"`` (or
 ``regression`` when it is one as well), the lost answer as the message.
+
+Latency (``RunMetrics.latency``) goes into the suite's properties; a failed latency verdict is a
+``latency`` test case of its own (``type="latency"``) only when it gates (``thresholds.gate_latency``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from regress.metrics import output_specs
 from regress.metrics.spec import headline
-from regress.records import PromptScore, ScoredRun
+from regress.records import PromptScore, RunMetrics, ScoredRun
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis, PromptDiagnosis
@@ -78,9 +81,12 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
 
     failures = sum(1 for s in score.scores if fails(s))
     skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not fails(s))
-    suites = ET.Element("testsuites", name="regress", tests=str(m.prompts), failures=str(failures),
+    latency_fails = m.latency_verdict == "fail" and m.latency_gates
+    tests = m.prompts + (1 if latency_fails else 0)
+    failures += 1 if latency_fails else 0
+    suites = ET.Element("testsuites", name="regress", tests=str(tests), failures=str(failures),
                         errors="0", skipped=str(skipped))
-    suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(m.prompts),
+    suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(tests),
                           failures=str(failures), errors="0", skipped=str(skipped), time="0",
                           timestamp=score.created_at.strftime("%Y-%m-%dT%H:%M:%S"))
     props = ET.SubElement(suite, "properties")
@@ -93,6 +99,12 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
                            ("answers_correct", m.answers_correct), ("answer_flips_lost", m.answer_flips_lost),
                            ("answer_flips_gained", m.answer_flips_gained)):
             ET.SubElement(props, "property", name=key, value=str(value))
+    _latency_properties(props, m)
+    if latency_fails:
+        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name="latency", time="0")
+        message = m.latency_reasons[0] if m.latency_reasons else "latency"
+        failure = ET.SubElement(case, "failure", message=xml_text(message), type="latency")
+        failure.text = xml_text("\n".join(f"- {r}" for r in m.latency_reasons))
     for s in score.scores:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
         dx = diagnosed.get(s.prompt_id)
@@ -114,3 +126,31 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
             out.text = xml_text(detail)
     ET.indent(suites, space=" ")
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
+
+
+LATENCY_PROPERTIES = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p95_s", "latency_p95_s",
+                      "throughput_tokens_per_s", "concurrency")
+"""Of each side's latency, what the suite's properties carry (``golden_<name>``, ``candidate_<name>``)."""
+
+
+def _latency_properties(props: ET.Element, m: RunMetrics) -> None:
+    """The latency as suite properties: the latency verdict and its reasons when there is one, and
+    for runs with per-request times (server runs) both sides' percentiles, throughput and
+    concurrency. A failed latency verdict is a ``latency`` test case only when it gates
+    (``thresholds.gate_latency``); otherwise these properties are all JUnit says of it."""
+    from regress.latency import timed
+
+    if m.latency_verdict is not None:
+        ET.SubElement(props, "property", name="latency_verdict", value=m.latency_verdict)
+        ET.SubElement(props, "property", name="latency_gates", value="true" if m.latency_gates else "false")
+        ET.SubElement(props, "property", name="latency_reasons", value=xml_text("; ".join(m.latency_reasons)))
+    lat = m.latency
+    if lat is None or not timed(lat):
+        return
+    for side, stats in (("golden", lat.golden), ("candidate", lat.candidate)):
+        ET.SubElement(props, "property", name=f"{side}_timed_requests", value=str(stats.requests))
+        for key in LATENCY_PROPERTIES:
+            value = getattr(stats, key)
+            if value is not None:
+                ET.SubElement(props, "property", name=f"{side}_{key}",
+                              value=f"{value:.6g}" if isinstance(value, float) else str(value))

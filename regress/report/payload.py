@@ -405,6 +405,59 @@ def build_payload(score: ScoredRun, golden: RunResult, run: RunResult, prompt_se
             "causes": [c for c, _ in causes_by_count(diagnosis)],
             "mitigations": {c: cause_mitigation(diagnosis, c) for c, _ in causes_by_count(diagnosis)},
         },
+        "latency": latency_view(score.metrics),
+    }
+
+
+LATENCY_ROWS = (
+    # (label, LatencyStats field, LatencyComparison ratio field or None, help)
+    ("TTFT p50", "ttft_p50_s", "ttft_p50_ratio", "median time to first token of a request"),
+    ("TTFT p95", "ttft_p95_s", "ttft_p95_ratio", "95th percentile time to first token (max_latency_ratio)"),
+    ("TTFT p99", "ttft_p99_s", None, "99th percentile time to first token"),
+    ("TPOT p95", "tpot_p95_s", "tpot_p95_ratio",
+     "95th percentile time per output token after the first: (total - TTFT) / (output tokens - 1) (max_latency_ratio)"),
+    ("total p95", "latency_p95_s", "latency_p95_ratio", "95th percentile total time of a request (max_latency_ratio)"),
+)
+"""The latency rows of the performance card (server runs: per-request times)."""
+LATENCY_SAME_WITHIN = 0.05
+"""Ratios within 5 % of 1 are not coloured (as the performance card's other changes)."""
+
+
+def seconds_text(value: float | None) -> str:
+    """A time for people: milliseconds below a second ('—' when missing)."""
+    if value is None:
+        return "—"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def latency_view(m: Any) -> dict[str, Any] | None:
+    """What the page shows of the latency (``RunMetrics.latency``): ``rows`` of [label, golden,
+    candidate, candidate / golden, direction (better, worse, same), help] for runs with per-request
+    times (server runs; offline runs have only throughput, already a performance row), the
+    concurrency, the latency verdict, its reasons and whether it gates. None when the metrics have
+    no latency (scored before it) and no latency verdict."""
+    from regress.latency import ratio, timed
+
+    lat = getattr(m, "latency", None)
+    if lat is None and getattr(m, "latency_verdict", None) is None:
+        return None
+    rows: list[list[Any]] = []
+    if timed(lat):
+        for label, stat, ratio_field, help in LATENCY_ROWS:
+            g, c = getattr(lat.golden, stat), getattr(lat.candidate, stat)
+            r = getattr(lat, ratio_field) if ratio_field else ratio(c, g)
+            direction = "same" if r is None or abs(r - 1) <= LATENCY_SAME_WITHIN else ("worse" if r > 1 else "better")
+            shown = "—" if r is None else f"{r:.2f}×"
+            rows.append([label, seconds_text(g), seconds_text(c), shown, direction, help])
+    return {
+        "timed": timed(lat),
+        "rows": rows,
+        "requests": [lat.golden.requests, lat.candidate.requests] if lat is not None else [0, 0],
+        "concurrency": [lat.golden.concurrency, lat.candidate.concurrency] if lat is not None else [None, None],
+        "throughput_ratio": None if lat is None or lat.throughput_ratio is None else _round(lat.throughput_ratio),
+        "verdict": m.latency_verdict,
+        "reasons": list(m.latency_reasons),
+        "gates": bool(getattr(m, "latency_gates", False)),
     }
 
 

@@ -11,7 +11,10 @@ import inspect
 import json
 from typing import Any
 
-from regress.records import RunMetrics
+from regress.records import LatencyComparison, LatencyStats, RunMetrics
+
+DOCUMENTED_DEFS = (LatencyStats, LatencyComparison)
+"""Records nested in RunMetrics whose fields' docstrings the schema carries too (under ``$defs``)."""
 
 
 def _attribute_docstrings(cls: type) -> dict[str, str]:
@@ -32,6 +35,13 @@ def metrics_schema() -> dict[str, Any]:
     for name, text in _attribute_docstrings(RunMetrics).items():
         if name in schema["properties"]:
             schema["properties"][name]["description"] = text
+    for cls in DOCUMENTED_DEFS:
+        definition = schema.get("$defs", {}).get(cls.__name__)
+        if definition is None:
+            continue
+        for name, text in _attribute_docstrings(cls).items():
+            if name in definition.get("properties", {}):
+                definition["properties"][name]["description"] = text
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "metrics.schema.json", **schema}
 
 

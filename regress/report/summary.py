@@ -62,6 +62,33 @@ def _answers_markdown(score: ScoredRun) -> list[str]:
     return lines
 
 
+def _latency_markdown(score: ScoredRun) -> list[str]:
+    """A latency line for runs with per-request times (server runs): TTFT, TPOT and total p95 and
+    concurrency against the golden; and the latency verdict with its reasons when one was given
+    (thresholds ``max_latency_ratio`` / ``min_throughput_ratio``). Nothing for offline runs
+    without a latency verdict (their throughput is in the table above)."""
+    from regress.report.payload import latency_view
+
+    view = latency_view(score.metrics)
+    if view is None:
+        return []
+    lines: list[str] = []
+    if view["timed"]:
+        parts = [f"{md_text(label)} {md_text(c)} (golden {md_text(g)}, {md_text(r)})"
+                 for label, g, c, r, _, _ in view["rows"] if label != "TTFT p99"]
+        g_conc, c_conc = view["concurrency"]
+        parts.append(f"concurrency {overview.fmt(c_conc, 'int')} (golden {overview.fmt(g_conc, 'int')})")
+        lines += ["", "**Latency** (per request, candidate vs golden): " + "; ".join(parts) + "."]
+    if view["verdict"]:
+        icon = "✅" if view["verdict"] == "pass" else "❌"
+        gates = "gates the check" if view["gates"] else "reported, not gating"
+        lines += ["", f"{icon} **Latency {view['verdict']}** ({gates}):"]
+        lines += [f"- {md_text(r)}" for r in view["reasons"]]
+    elif view["reasons"]:
+        lines += ["", *[f"- {md_text(r)}" for r in view["reasons"]]]
+    return lines
+
+
 def _diagnosis_markdown(score: ScoredRun, diagnosis: "Diagnosis | None") -> list[str]:
     """"Why it drifted": diagnosed prompts per cause with its mitigation (``regress diagnose``);
     without a diagnosis, for a failed candidate, how to get one."""
@@ -92,6 +119,8 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
     ``diagnosis`` is one of this run)."""
     m = score.metrics
     icon, word = ("✅", "passes") if m.verdict == "pass" else ("❌", "fails")
+    if m.verdict == "pass" and m.gating_failed:  # outputs pass, a gating latency verdict failed
+        icon, word = "❌", "fails on latency"
     lines = [f"## {icon} regress: {md_code(m.candidate)} {word} against {md_code(score.golden.candidate.name)}", ""]
     lines += [f"- {md_text(r)}" for r in score.verdict_reasons]
     lines += ["", "| prompts | " + " | ".join(c.label for c in overview.counts(m)) + " |",
@@ -101,6 +130,7 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
     lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m) + overview.rates(m)]
     for p in overview.performance(score):
         lines.append(f"| {p.label} | {md_text(p.candidate)} (golden {md_text(p.golden)}, {md_text(p.change)}) |")
+    lines += _latency_markdown(score)
     lines += _answers_markdown(score)
     nf = m.noise_floor
     if nf is not None:

@@ -139,7 +139,7 @@ class LocalTrigger(Trigger):
                 result = run_check(params, spec, executor=executor, progress=progress)
         metrics = result.scored.report.metrics
         return TriggerOutcome(
-            "fail" if result.verdict == "fail" else "pass",
+            "fail" if result.gating_failed else "pass",
             report=str(result.scored.page) if result.scored.page else None,
             regressions=metrics.regression, prompts=metrics.prompts)
 

@@ -1,0 +1,100 @@
+"""Latency as a measured output: per-run statistics and the candidate against the golden.
+
+Runs of the ``server`` backend (requests replayed through vLLM's HTTP server, several in flight)
+record, per prompt, the time to its first token and its total time (shard meta ``ttft_s`` and
+``latency_s``, read into :class:`~regress.runs.RunResult`); :func:`latency_stats` reduces them to
+percentiles. Offline runs have no per-request times: only their throughput (output tokens per
+second of generation wall time, from the manifest) is known.
+
+The time per output token of a request is ``(total - TTFT) / max(1, output tokens - 1)``: the
+decode time spread over the tokens after the first. Percentiles are numpy's default (linear
+interpolation between the closest ranks), over the requests that have the time.
+
+Whether a candidate is slower is judged apart from its outputs (:func:`regress.verdict.latency_verdict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from regress.records import LatencyComparison, LatencyStats
+from regress.runs import RunResult
+
+PERCENTILES = (50, 95, 99)
+"""The percentiles reported of every time."""
+
+
+def percentiles(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """p50, p95 and p99 of ``values`` (Nones when empty)."""
+    if len(values) == 0:
+        return None, None, None
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)
+    return float(p50), float(p95), float(p99)
+
+
+def output_token_counts(run: RunResult) -> np.ndarray:
+    """Output tokens of every prompt of ``run``, in row order."""
+    offsets = run.arrays.get("output_offsets")
+    if offsets is None:
+        return np.zeros(len(run), dtype=np.int64)
+    return np.diff(np.asarray(offsets, dtype=np.int64))
+
+
+def throughput(run: RunResult) -> float | None:
+    """Output tokens per second of the run's generation wall time (every shard's
+    ``generation_s``, summed in the manifest's timings); None when that time is 0."""
+    t = run.manifest.timings
+    return t.output_tokens / t.generation_s if t.generation_s > 0 else None
+
+
+def latency_stats(run: RunResult) -> LatencyStats:
+    """The latency statistics of one run (only throughput for a run without per-request times)."""
+    rate = throughput(run)
+    if run.latency_s is None and run.ttft_s is None:
+        return LatencyStats(throughput_tokens_per_s=rate, concurrency=run.concurrency)
+    n = len(run)
+    ttft = run.ttft_s if run.ttft_s is not None else [None] * n
+    total = run.latency_s if run.latency_s is not None else [None] * n
+    tokens = output_token_counts(run)
+    ttfts = [t for t in ttft if t is not None]
+    totals = [t for t in total if t is not None]
+    tpots = [max(lat - first, 0.0) / max(1, int(k) - 1)
+             for first, lat, k in zip(ttft, total, tokens) if first is not None and lat is not None]
+    t50, t95, t99 = percentiles(ttfts)
+    o50, o95, o99 = percentiles(tpots)
+    l50, l95, l99 = percentiles(totals)
+    return LatencyStats(requests=len(totals), ttft_p50_s=t50, ttft_p95_s=t95, ttft_p99_s=t99,
+                        tpot_p50_s=o50, tpot_p95_s=o95, tpot_p99_s=o99,
+                        latency_p50_s=l50, latency_p95_s=l95, latency_p99_s=l99,
+                        throughput_tokens_per_s=rate, concurrency=run.concurrency)
+
+
+def ratio(candidate: float | None, golden: float | None) -> float | None:
+    """candidate / golden; None when either is missing or the golden's is not positive."""
+    if candidate is None or golden is None or golden <= 0:
+        return None
+    return candidate / golden
+
+
+def compare(golden: LatencyStats, candidate: LatencyStats) -> LatencyComparison:
+    """Both runs' statistics and the candidate / golden ratios."""
+    return LatencyComparison(
+        golden=golden, candidate=candidate,
+        ttft_p50_ratio=ratio(candidate.ttft_p50_s, golden.ttft_p50_s),
+        ttft_p95_ratio=ratio(candidate.ttft_p95_s, golden.ttft_p95_s),
+        tpot_p95_ratio=ratio(candidate.tpot_p95_s, golden.tpot_p95_s),
+        latency_p95_ratio=ratio(candidate.latency_p95_s, golden.latency_p95_s),
+        throughput_ratio=ratio(candidate.throughput_tokens_per_s, golden.throughput_tokens_per_s),
+    )
+
+
+def compare_runs(golden: RunResult, run: RunResult) -> LatencyComparison:
+    """:func:`compare` of two runs' :func:`latency_stats`."""
+    return compare(latency_stats(golden), latency_stats(run))
+
+
+def timed(comparison: LatencyComparison | None) -> bool:
+    """Whether either side has per-request times (a ``server`` run)."""
+    return comparison is not None and (comparison.golden.requests > 0 or comparison.candidate.requests > 0)
