@@ -75,6 +75,15 @@ def test_switches_apply_only_where_they_can_change_something() -> None:
     assert f32.side == "both" and f32.baseline.dtype == f32.candidate.dtype == "float32"  # type: ignore[union-attr]
     assert next(p for p in probes if p.name == "alone").layout == "alone"
     assert next(p for p in probes if p.name == "eager").candidate.engine_args["enforce_eager"] is False  # type: ignore[union-attr]
+    # Concurrency: only for a candidate served over HTTP; in auto mode silently left out otherwise.
+    assert "concurrency" not in [p.name for p in build_probes(BASE, _spec(), None, found=[])[0]]
+    _, skipped = build_probes(BASE, _spec(), ["concurrency"], found=[])
+    assert "not served over HTTP" in skipped[0].reason
+    from regress.records import ServerSettings
+
+    served = _spec(backend="server", server=ServerSettings(concurrency=8))
+    c = next(p for p in build_probes(BASE, served, ["concurrency"], found=[])[0] if p.name == "concurrency")
+    assert c.candidate.server.concurrency == 1 and c.compared_with == "control" and not c.explains  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="unknown probe 'bogus'"):
         build_probes(BASE, _spec(), ["bogus"], found=[])
 

@@ -169,9 +169,13 @@ def test_noise_settings_are_validated(tmp_path: Path) -> None:
     assert [a.shard_size_for(16) for a in p.noise.arms] == [16, 4, 1]
     assert NoiseSettings(arms=["batch"]).arms[0].shard_size_for(16) == 32
     assert load_params(_params(tmp_path, None)).noise is None
+    # The concurrency arm (a server baseline): 8 in flight, or 1 when the golden had more.
+    arm = NoiseSettings(arms=["concurrency"]).arms[0]
+    assert (arm.key, arm.concurrency_for(1), arm.concurrency_for(16)) == ("concurrency", 8, 1)
+    assert NoiseSettings(arms=[{"name": "concurrency", "concurrency": 32}]).arms[0].key == "concurrency-32"
     for bad, field, words in (
         ({"arms": ["rerun"], "bogus": 1}, "noise.bogus", "unknown field"),
-        ({"arms": ["concurrency"]}, "noise.arms[0]", "not available yet"),
+        ({"arms": [{"name": "batch", "concurrency": 4}]}, "noise.arms[0]", "'concurrency' arm only"),
         ({"arms": ["sometimes"]}, "noise.arms[0].name", "rerun"),
         ({"arms": [{"name": "alone", "shard_size": 2}]}, "noise.arms[0]", "'batch' arm only"),
         ({"arms": ["rerun"], "quantile": 1.5}, "noise.quantile", "1"),

@@ -57,8 +57,10 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
     first = score.metrics.get("first_divergence")
 
     reference, control = seen.get("reference"), seen.get("control")
+    concurrency = seen.get("concurrency")
     batch_variant = bool((reference and not reference.same) or (control and not control.same)
-                         or (seen.get("alone") and not _alone_consistent(seen)))
+                         or (seen.get("alone") and not _alone_consistent(seen))
+                         or (concurrency and not concurrency.same))
 
     def add(cause: Cause, detail: str, why: str) -> None:
         if cause not in causes:

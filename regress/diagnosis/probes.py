@@ -192,8 +192,9 @@ def reverted(group: Group, baseline: CandidateSpec, candidate: CandidateSpec) ->
 # --------------------------------------------------------------------------------------
 
 AUTO = ("reference", "control", "rerun", "alone", "revert", "float32", "prefix-caching-off",
-        "chunked-prefill-off")
-"""What ``probes: auto`` runs (``revert`` stands for every revert that applies)."""
+        "chunked-prefill-off", "concurrency")
+"""What ``probes: auto`` runs (``revert`` stands for every revert that applies; ``concurrency``
+only for a candidate served over HTTP)."""
 OPT_IN = ("eager", "batch-invariant")
 """Probes run only when asked for: ``eager`` flips the candidate's compile mode (torch.compile
 starts in about a minute on CPUs), ``batch-invariant`` needs an engine that supports it."""
@@ -282,6 +283,21 @@ def build_probes(baseline: CandidateSpec, candidate: CandidateSpec, chosen: list
                                     "reference", True,
                                     candidate=_renamed(candidate, name, engine_args={**candidate.engine_args, key: False}),
                                     detail=name.replace("-off", "").replace("-", " ")))
+        elif name == "concurrency":
+            if candidate.backend != "server":
+                if chosen is not None:
+                    skipped.append(Skipped(name, "scheduling and batching",
+                                           "the candidate is not served over HTTP (backend: server)"))
+                continue
+            from regress.records import ServerSettings
+
+            server = candidate.server or ServerSettings()
+            n = 1 if server.concurrency > 1 else 8
+            probes.append(Probe("concurrency", "scheduling and batching",
+                                f"the candidate with {n} request(s) in flight instead of {server.concurrency}",
+                                "candidate", "control", False,
+                                candidate=_renamed(candidate, f"c{n}", server=server.model_copy(update={"concurrency": n})),
+                                detail="requests in flight"))
         elif name == "eager":
             eager = bool(candidate.engine_args.get("enforce_eager", False))
             probes.append(Probe("eager", "kernels and precision",

@@ -35,7 +35,7 @@ class ProbeRun(_Record):
     name: str
     """``reference`` (the baseline, the drifted prompts batched together), ``control`` (the
     candidate, same batch), ``alone``, ``rerun``, ``revert-<source>``, ``float32``,
-    ``prefix-caching-off``, ``chunked-prefill-off``, ``eager``, ``batch-invariant``."""
+    ``prefix-caching-off``, ``chunked-prefill-off``, ``eager``, ``batch-invariant``, ``concurrency``."""
     source: Cause | None = None
     """The source of drift this probe tests; None for the reference and control runs."""
     changed: str

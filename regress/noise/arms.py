@@ -23,6 +23,20 @@ def arm_dir(golden_dir: str | Path, key: str) -> Path:
     return Path(golden_dir) / ARMS_DIR / key
 
 
+def _at_concurrency(baseline: "CandidateSpec", n: int) -> "CandidateSpec":
+    """The baseline with ``n`` requests in flight (a ``server`` baseline only)."""
+    from regress.errors import ConfigError
+
+    if baseline.backend != "server":
+        raise ConfigError(f"the 'concurrency' noise arm needs a baseline served over HTTP (backend: server); "
+                          f"'{baseline.name}' uses the '{baseline.backend}' backend: use 'batch' or 'alone'",
+                          field="noise.arms")
+    from regress.records import ServerSettings
+
+    server = baseline.server or ServerSettings()
+    return baseline.model_copy(update={"server": server.model_copy(update={"concurrency": n})})
+
+
 def run_arms(
     baseline: "CandidateSpec",
     prompt_set: "PromptSet",
@@ -52,17 +66,22 @@ def run_arms(
     golden_size = golden.manifest.layout.shard_size
     metrics = metrics if metrics is not None else build_metrics(t)
     results = []
+    golden_concurrency = baseline.server.concurrency if baseline.server is not None else 1
     for arm in settings.arms:
         out = arm_dir(golden_dir, arm.key)
         size = arm.shard_size_for(golden_size)
+        spec = baseline
+        if arm.name == "concurrency":
+            spec = _at_concurrency(baseline, arm.concurrency_for(golden_concurrency))
         if progress is not None:
-            progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size)}")
-        manifest = replay(baseline, prompt_set, out, golden=golden, shard_size=size,
+            progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
+        manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size,
                           executor=executor, progress=progress, force=force)
         scored = score_runs(golden, load_run(out), t, expected=expected, metrics=metrics)
         m, tm = scored.metrics, manifest.timings
         results.append((NoiseArmResult(
-            name=arm.key, kind=arm.name, changed=arm.changed(golden_size), shard_size=size, run_id=manifest.run_id,
+            name=arm.key, kind=arm.name, changed=arm.changed(golden_size, golden_concurrency), shard_size=size,
+            run_id=manifest.run_id,
             prompts=m.prompts, identical=m.identical, diverged=m.prompts - m.identical,
             seconds=round(tm.engine_load_s + tm.generation_s + tm.teacher_forcing_s, 3)), scored))
     floor = build_floor(golden.manifest.run_id, results, k=settings.k, q=settings.quantile)

@@ -4,6 +4,7 @@ Opt-in. Example::
 
     noise:
       arms: [rerun, batch, alone]     # or mappings: {name: batch, shard_size: 4}
+                                      # a server baseline also: concurrency ({name: concurrency, concurrency: 16})
       k: 2                            # run-level bounds become max(configured, k x floor)
       quantile: 0.95                  # which per-prompt noise value is "the floor"
 
@@ -17,8 +18,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ArmName = Literal["rerun", "batch", "alone", "concurrency"]
-NOT_YET = {"concurrency": "not available yet: it needs a server backend (requests in flight together), "
-                          "which regress does not have yet; use 'batch' or 'alone'"}
+NOT_YET: dict[str, str] = {}
+"""Arms named in the schema but not available, with why."""
+DEFAULT_CONCURRENCY = 8
+"""The ``concurrency`` arm's requests in flight when not given (or 1 when the golden had more)."""
 
 
 class NoiseArm(BaseModel):
@@ -30,6 +33,9 @@ class NoiseArm(BaseModel):
     """``rerun`` (same layout as the golden), ``batch`` (another shard size), ``alone`` (shard size 1)."""
     shard_size: int | None = Field(None, ge=1, le=100_000)
     """``batch`` only: prompts per engine batch (default: the golden's doubled)."""
+    concurrency: int | None = Field(None, ge=1, le=1024)
+    """``concurrency`` only (a baseline with ``backend: server``): requests in flight at once
+    (default 8, or 1 when the golden was made with more)."""
 
     @model_validator(mode="after")
     def _check(self) -> "NoiseArm":
@@ -37,12 +43,24 @@ class NoiseArm(BaseModel):
             raise ValueError(f"arm '{self.name}' is {NOT_YET[self.name]}")
         if self.shard_size is not None and self.name != "batch":
             raise ValueError(f"shard_size applies to the 'batch' arm only, not '{self.name}'")
+        if self.concurrency is not None and self.name != "concurrency":
+            raise ValueError(f"concurrency applies to the 'concurrency' arm only, not '{self.name}'")
         return self
 
     @property
     def key(self) -> str:
         """The arm's name in noise.json and its run directory (``golden/noise-arms/<key>``)."""
-        return f"batch-{self.shard_size}" if self.name == "batch" and self.shard_size else self.name
+        if self.name == "batch" and self.shard_size:
+            return f"batch-{self.shard_size}"
+        if self.name == "concurrency" and self.concurrency:
+            return f"concurrency-{self.concurrency}"
+        return self.name
+
+    def concurrency_for(self, golden_concurrency: int) -> int:
+        """The requests in flight this arm replays with, for a golden made with ``golden_concurrency``."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return 1 if golden_concurrency > 1 else DEFAULT_CONCURRENCY
 
     def shard_size_for(self, golden_shard_size: int) -> int:
         """The shard size this arm replays with, for a golden cut into ``golden_shard_size``."""
@@ -52,8 +70,11 @@ class NoiseArm(BaseModel):
             return self.shard_size or golden_shard_size * 2
         return golden_shard_size
 
-    def changed(self, golden_shard_size: int) -> str:
+    def changed(self, golden_shard_size: int, golden_concurrency: int = 1) -> str:
         """What the arm changed, in words."""
+        if self.name == "concurrency":
+            return (f"requests in flight: {self.concurrency_for(golden_concurrency)} instead of {golden_concurrency} "
+                    "(the server batches whatever is in flight together)")
         if self.name == "rerun":
             return f"nothing: the baseline again, shard size {golden_shard_size} as the golden"
         if self.name == "alone":
@@ -67,7 +88,7 @@ class NoiseSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     arms: list[NoiseArm] = Field(min_length=1)
-    """The arms to run, by name (``rerun``, ``batch``, ``alone``) or as mappings."""
+    """The arms to run, by name (``rerun``, ``batch``, ``alone``, ``concurrency``) or as mappings."""
     k: float = Field(2.0, ge=1, le=1000)
     """Run-level KL / same-top-1 bounds become max(configured, k x floor)."""
     quantile: float = Field(0.95, gt=0, le=1)
