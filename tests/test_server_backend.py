@@ -48,6 +48,49 @@ def test_server_settings_validation():
         CandidateSpec(name="s", model="m", server={})
 
 
+def test_chat_endpoint_payload_and_rows():
+    """``endpoint: chat``: a chat prompt goes out as messages for the server to render (token ids and
+    logprobs asked back), a plain prompt as token ids; chat logprob rows are read from token ids."""
+    from regress.backends.base import GenerationRequest
+    from regress.backends.vllm_server import CHAT_ENDPOINT, VllmServerBackend, chat_rows
+    from regress.records import CandidateSpec, ResolvedSampling
+
+    spec = CandidateSpec(name="s", model="m", backend="server", server={"endpoint": "chat"})
+    assert spec.server.endpoint == "chat" and spec.engine_spec()["server"]["endpoint"] == "chat"
+    # The default is left out of the stored form: fingerprints of existing candidates do not change.
+    assert "endpoint" not in CandidateSpec(name="s", model="m", backend="server", server={}).model_dump()["server"]
+    backend = VllmServerBackend(spec.engine_spec())
+    backend._model_name = "m"
+
+    class NoTemplate:  # regress cannot render it: the server will
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2, 3]
+
+    backend._tokenizer = NoTemplate()
+    messages = [{"role": "user", "content": "Hi"}]
+    sampling = ResolvedSampling(max_tokens=7, logprobs=5, stop=["\n"]).model_dump()
+    chat = backend._payload(GenerationRequest(backend.render({"messages": messages}), sampling))
+    assert chat["messages"] == messages and "prompt" not in chat
+    assert chat["return_token_ids"] is True and chat["return_tokens_as_token_ids"] is True
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 6 and chat["add_generation_prompt"] is True
+    assert chat["max_tokens"] == 7 and chat["temperature"] == 0.0 and chat["stop"] == ["\n"] and chat["stream"]
+    plain = backend._payload(GenerationRequest(backend.render({"prompt": "Hi"}), sampling))
+    assert plain["prompt"] == [1, 2, 3] and "messages" not in plain and plain["logprobs"] == 5
+    assert CHAT_ENDPOINT == "/v1/chat/completions"
+
+    def entry(chosen, lp, others):
+        return {"token": f"token_id:{chosen}", "logprob": lp,
+                "top_logprobs": [{"token": f"token_id:{chosen}", "logprob": lp}]
+                + [{"token": f"token_id:{t}", "logprob": v} for t, v in others]}
+
+    rows = chat_rows([7, 2], [entry(7, -3.0, [(1, -0.5), (2, -1.0)]),  # outside the top-2
+                              entry(2, -0.25, [(1, -0.5), (3, -9999.0)])], 2)  # ranked first
+    assert rows.token_logprobs.tolist() == [-3.0, -0.25]
+    assert rows.top_ids.tolist() == [[1, 2], [2, 1]] and rows.top_logprobs.tolist() == [[-0.5, -1.0], [-0.25, -0.5]]
+
+
 def test_engine_args_become_flags():
     from regress.backends.vllm_server import engine_arg_flags, server_command
 
@@ -192,6 +235,13 @@ def test_server_replay_matches_the_offline_golden(server_workspace: Path):
     assert manifest["candidate"]["server"]["url"] == served_url(server_workspace)
     assert KEY_VARIABLE not in manifest.get("env_vars", {})
     _no_key_in(run)
+    # Latency is a measured output: the server run's percentiles beside the offline golden's throughput.
+    latency = json.loads((server_workspace / "scores" / "server-c1" / "metrics.json").read_text())["latency"]
+    c = latency["candidate"]
+    assert c["requests"] == 40 and c["concurrency"] == 1 and 0 < c["ttft_p50_s"] <= c["ttft_p95_s"] <= c["ttft_p99_s"]
+    assert 0 < c["latency_p50_s"] and latency["golden"]["requests"] == 0 and latency["throughput_ratio"] > 0
+    page = (server_workspace / "reports" / "server-c1" / "index.html").read_text(encoding="utf-8")
+    assert "time to first token" in page.lower() or "ttft" in page.lower()
 
 
 def served_url(workspace: Path) -> str:
@@ -414,7 +464,8 @@ def test_concurrency_is_a_noise_arm_of_a_server_baseline(tmp_path: Path, fixture
 
     write_demo_prompts(tmp_path / "datasets" / "prompts", which=FIXTURE_PROMPTS)
     path = write_params(tmp_path, model=fixture_model,
-                        baseline={"backend": "server", "server": {"url": served, "api_key_env": KEY_VARIABLE}})
+                        baseline={"backend": "server", "server": {"url": served, "api_key_env": KEY_VARIABLE}},
+                        candidates={"offline": {"backend": "vllm", "server": None}})
     data = yaml.safe_load(path.read_text())
     data["noise"] = {"arms": ["concurrency"]}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -427,3 +478,9 @@ def test_concurrency_is_a_noise_arm_of_a_server_baseline(tmp_path: Path, fixture
     metas = _metas(tmp_path / "golden" / "noise-arms" / "concurrency")
     assert all(m["concurrency"] == 8 for m in metas)
     _no_key_in(tmp_path / "golden")
+    # And back: an offline candidate against the server's golden.
+    code, classes, _ = _check(tmp_path, "offline")
+    assert code == 0 and set(classes) <= {"identical", "benign"}, classes
+    latency = json.loads((tmp_path / "scores" / "offline" / "metrics.json").read_text())["latency"]
+    assert latency["golden"]["requests"] == 40 and latency["candidate"]["requests"] == 0  # offline: throughput only
+    assert latency["candidate"]["throughput_tokens_per_s"] > 0
