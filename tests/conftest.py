@@ -156,6 +156,23 @@ def golden_dir(workspace: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def verdict_workspace(workspace: Path, golden_dir: Path, fixture_model: Path, tmp_path_factory) -> Path:
+    """The shared workspace, plus model variants and candidates for them (test_verdicts_engine
+    checks them; test_diagnosis diagnoses the same runs)."""
+    from regress.model_variants import perturb_layer
+
+    models = tmp_path_factory.mktemp("variants")
+    perturb_layer(fixture_model, models / "perturbed", layer=1, scale=0.5, seed=0)
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["candidates"].update({
+        "float32": {"dtype": "float32"},
+        "perturbed": {"model": str(models / "perturbed")},
+    })
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return workspace
+
+
+@pytest.fixture(scope="session")
 def same_run(workspace: Path, golden_dir: Path) -> subprocess.CompletedProcess[str]:
     """`regress replay same` (the baseline again, local executor) into runs/same, once per session."""
     result = run_cli("replay", "same", cwd=workspace)

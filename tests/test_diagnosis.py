@@ -201,12 +201,10 @@ class Lab:
 def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_dir: Path):  # type: ignore[no-untyped-def]
     from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
     from regress.diagnosis.engines import WarmEngines
-    from regress.model_variants import perturb_layer
 
     root = tmp_path_factory.mktemp("diagnosis")
     write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)
     shutil.copytree(golden_dir, root / "golden")
-    perturb_layer(fixture_model, root / "perturbed", layer=1, scale=0.5)
     template = (fixture_model / "chat_template.jinja").read_text(encoding="utf-8")
     changed = template.replace("<|im_start|>assistant\\n", "<|im_start|>assistant\\n\\n")
     assert changed != template
@@ -217,8 +215,6 @@ def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_di
         "template": {"chat_template": str(root / "template.jinja")},
         "penalty": {"generation_config": str(root / "defaults")},
         "fp8-kv": {"engine_args": {"kv_cache_dtype": "fp8"}},
-        "float32": {"dtype": "float32"},
-        "perturbed": {"model": str(root / "perturbed")},
         "alone": {},
     })
     data = yaml.safe_load(params.read_text())
@@ -248,6 +244,18 @@ def _diagnosed(lab: Lab, name: str, probes: list[str] | None, *, shard_size: int
     scored = score_candidate(p, spec)
     assert scored.report.metrics.regression + scored.report.metrics.drift + scored.report.metrics.input_drift, name
     return diagnose_candidate(p, spec, probes=probes, engines=lab.engines)  # type: ignore[arg-type]
+
+
+def _checked_and_diagnosed(lab: Lab, workspace: Path, name: str, probes: list[str]):  # type: ignore[no-untyped-def]
+    """``regress check`` in the session's verdict workspace (test_verdicts_engine checks the same
+    candidates later and reuses these runs), then the diagnosis on the module's warm engines."""
+    from regress.checks import diagnose_candidate
+    from regress.config import load_params
+
+    result = run_cli("check", name, cwd=workspace)
+    assert result.returncode in (0, 1), result.stderr
+    p = load_params(workspace / "params.yaml")
+    return diagnose_candidate(p, p.candidate(name), probes=probes, engines=lab.engines)  # type: ignore[arg-type]
 
 
 def _causes(d) -> set[str]:  # type: ignore[no-untyped-def]
@@ -291,15 +299,15 @@ def test_an_fp8_kv_cache_is_kernels_and_precision_inside_check(lab: Lab) -> None
 
 
 @pytest.mark.engine
-def test_float32_is_precision(lab: Lab) -> None:
-    d = _diagnosed(lab, "float32", ["reference", "control", "revert"])
+def test_float32_is_precision(lab: Lab, verdict_workspace: Path) -> None:
+    d = _checked_and_diagnosed(lab, verdict_workspace, "float32", ["reference", "control", "revert"])
     assert d.prompts and _causes(d) == {"kernels and precision"}
     assert all("dtype" in p.why for p in d.prompts)
 
 
 @pytest.mark.engine
-def test_a_perturbed_layer_is_the_model(lab: Lab) -> None:
-    d = _diagnosed(lab, "perturbed", ["reference", "control"])
+def test_a_perturbed_layer_is_the_model(lab: Lab, verdict_workspace: Path) -> None:
+    d = _checked_and_diagnosed(lab, verdict_workspace, "perturbed", ["reference", "control"])
     assert len(d.prompts) == 10 and d.drifted > 10 and len(d.left_out) == d.drifted - 10
     assert _causes(d) == {"model"} and not any(p.explained for p in d.prompts)
 

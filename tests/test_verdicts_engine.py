@@ -23,22 +23,6 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="session")
-def verdict_workspace(workspace: Path, golden_dir: Path, fixture_model: Path, tmp_path_factory) -> Path:
-    """The shared workspace, plus model variants and candidates for them."""
-    from regress.model_variants import perturb_layer
-
-    models = tmp_path_factory.mktemp("variants")
-    perturb_layer(fixture_model, models / "perturbed", layer=1, scale=0.5, seed=0)
-    params = yaml.safe_load((workspace / "params.yaml").read_text())
-    params["candidates"].update({
-        "float32": {"dtype": "float32"},
-        "perturbed": {"model": str(models / "perturbed")},
-    })
-    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return workspace
-
-
-@pytest.fixture(scope="session")
 def w8a8_model(candidate_envs, fixture_model: Path, tmp_path_factory) -> Path:
     """A W8A8 compressed-tensors checkpoint made by llm-compressor in its own environment
     (the demo pipeline's W4A16 and FP8 KV cache candidates are pinned in test_pipeline.py)."""
