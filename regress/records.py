@@ -298,6 +298,13 @@ class ServerSettings(_Strict):
     """How long to wait for a started server's ``GET /health`` (seconds)."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Time limit of one request (seconds)."""
+    endpoint: Literal["completions", "chat"] = Field("completions", exclude_if=lambda v: v == "completions")
+    """Where chat prompts go. ``completions``: every prompt through ``POST /v1/completions`` as the
+    token ids regress rendered. ``chat``: prompts with ``messages`` through ``POST
+    /v1/chat/completions`` as messages, so that the server applies its own chat template (input
+    built as users' requests build it); the prompt token ids the server used are recorded, so a
+    server-side template that differs from the golden's shows as input drift. Plain ``prompt``
+    prompts still go through ``/v1/completions``."""
 
     @field_validator("url")
     @classmethod

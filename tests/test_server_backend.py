@@ -74,7 +74,9 @@ def test_chat_endpoint_payload_and_rows():
     chat = backend._payload(GenerationRequest(backend.render({"messages": messages}), sampling))
     assert chat["messages"] == messages and "prompt" not in chat
     assert chat["return_token_ids"] is True and chat["return_tokens_as_token_ids"] is True
-    assert chat["logprobs"] is True and chat["top_logprobs"] == 6 and chat["add_generation_prompt"] is True
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 5 and chat["add_generation_prompt"] is True
+    sampled = {**sampling, "temperature": 0.8}  # the chosen token may be outside the top-5: one more
+    assert backend._payload(GenerationRequest(backend.render({"messages": messages}), sampled))["top_logprobs"] == 6
     assert chat["max_tokens"] == 7 and chat["temperature"] == 0.0 and chat["stop"] == ["\n"] and chat["stream"]
     plain = backend._payload(GenerationRequest(backend.render({"prompt": "Hi"}), sampling))
     assert plain["prompt"] == [1, 2, 3] and "messages" not in plain and plain["logprobs"] == 5
@@ -242,6 +244,34 @@ def test_server_replay_matches_the_offline_golden(server_workspace: Path):
     assert 0 < c["latency_p50_s"] and latency["golden"]["requests"] == 0 and latency["throughput_ratio"] > 0
     page = (server_workspace / "reports" / "server-c1" / "index.html").read_text(encoding="utf-8")
     assert "time to first token" in page.lower() or "ttft" in page.lower()
+
+
+@pytest.mark.engine
+def test_chat_endpoint_matches_the_offline_golden(server_workspace: Path, served: str):
+    """``endpoint: chat``: the server renders the chat prompts with its own template (the same one
+    regress applies), so nothing drifts, inputs included, and the prompt tokens recorded (the ones
+    the server used) are the golden's."""
+    from regress.runs import load_run
+
+    params = yaml.safe_load((server_workspace / "params.yaml").read_text())
+    params["candidates"]["server-chat"] = {"backend": "server", "server": {
+        "url": served, "api_key_env": KEY_VARIABLE, "endpoint": "chat"}}
+    (server_workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    code, classes, seconds = _check(server_workspace, "server-chat")
+    print(f"server-chat: {dict(classes)} in {seconds:.1f} s (exit {code})")
+    assert code == 0 and set(classes) <= {"identical", "benign"}, classes
+    run = server_workspace / "runs" / "server-chat"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["candidate"]["server"]["endpoint"] == "chat"
+    assert manifest["effective"]["server"]["endpoint"] == "/v1/chat/completions"
+    candidate, golden = load_run(run), load_run(server_workspace / "golden")
+    chats = [g.prompt_id for g in golden if g.prompt_id.startswith("chat-")]
+    assert len(chats) == 10
+    for prompt_id in chats:
+        assert candidate[prompt_id].prompt_token_ids.tolist() == golden[prompt_id].prompt_token_ids.tolist()
+    for meta in _metas(run):  # streamed: TTFT measured for chat prompts too
+        assert None not in meta["ttft_s"] and meta["concurrency"] == 1
+    _no_key_in(run)
 
 
 def served_url(workspace: Path) -> str:

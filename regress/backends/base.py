@@ -53,6 +53,10 @@ class RawGeneration:
     timing: dict[str, float] | None = None
     """Request timing where the backend measures it (the ``server`` backend): ``ttft_s``, send to
     the first token, and ``total_s``, send to the last chunk (seconds)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt token ids the engine actually used, where it built them itself (the ``server``
+    backend's chat endpoint applies the server's chat template); None: the rendered ids sent.
+    These become the run's prompt tokens and the prompt that teacher forcing feeds."""
 
 
 @dataclass

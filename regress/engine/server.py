@@ -199,6 +199,10 @@ class EngineServer:
         outputs = self.backend.generate(requests, progress)
         generation_s = time.perf_counter() - started
         progress.flush()
+        # Where the backend built the prompt itself (a server's chat template), its ids are the input.
+        used = [list(o.prompt_token_ids) if getattr(o, "prompt_token_ids", None) is not None else None
+                for o in outputs]
+        rendered = [u if u is not None else r for u, r in zip(used, rendered)]
 
         prompt_tokens, prompt_offsets = ragged(rendered, np.int32)
         output_tokens, output_offsets = ragged([o.output_token_ids for o in outputs], np.int32)
@@ -212,7 +216,10 @@ class EngineServer:
         teacher_forcing_s = 0.0
         forced = request.teacher_force
         if forced is not None:
-            sequences = [(pair[0], pair[1]) if pair else ([], []) for pair in forced]
+            # The golden's completion after the prompt the engine actually used (the golden's own
+            # prompt ids unless the backend built the prompt itself).
+            sequences = [((u if u is not None else pair[0]), pair[1]) if pair else ([], [])
+                         for u, pair in zip(used, forced)]
             progress = self._progress(index, "teacher_force")
             started = time.perf_counter()
             rows = self.backend.teacher_force(sequences, k, progress)
