@@ -95,8 +95,8 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
                 "no probe removed it and the weights or quantization differ: the model itself")
         elif unprobed:
             for g in unprobed:
-                add(g.source, g.detail, f"no probe removed it; the {g.detail} differ and were not put back "
-                                        f"(probe revert-{g.name})")
+                add(g.source, g.detail, f"no probe removed it; {g.detail}: differs from the baseline, not put "
+                                        f"back (run probe revert-{g.name})")
         elif batch_variant:
             add("scheduling and batching", "batch composition",
                 "its output moves with the batch, and no probe made both sides agree")

@@ -173,9 +173,13 @@ def diagnose(
             loads_total = engines.loads - loads_before
     else:
         loads_total = 0
-    probe_runs = [records.get(p.name) or ProbeRun(name=p.name, source=p.source, changed=p.changed, side=p.side,
-                                                   compared_with=p.compared_with, skipped=failed.get(p.name, "not run"))
+    # A probe with a side that could not run is skipped as a whole (its other side is not compared).
+    probe_runs = [records[p.name] if p.name in records and p.name not in failed else
+                  ProbeRun(name=p.name, source=p.source, changed=p.changed, side=p.side, compared_with=p.compared_with,
+                           run_dirs=records[p.name].run_dirs if p.name in records else [],
+                           skipped=failed.get(p.name, "not run"))
                   for p in built]
+    outputs = {key: run for key, run in outputs.items() if key[0] not in failed}
     probe_runs += [ProbeRun(name=s.name, source=s.source, changed="-", side="candidate", compared_with="-",
                             skipped=s.reason) for s in skipped]
     observations = _observe(built, ids, golden, run, outputs)
