@@ -275,6 +275,13 @@ CURRENT_ENVIRONMENT = "current"
 """Package spec meaning: the Python environment regress itself runs in."""
 
 
+REGRESS_CREDENTIAL_VARIABLES = frozenset({
+    "REGRESS_BROKER_URL", "REGRESS_BROKER_KEY", "REGRESS_BROKER_KEY_FILE", "REGRESS_RESULT_BACKEND",
+    "REGRESS_DISPATCH_TOKEN", "REGRESS_GITHUB_TOKEN", "REGRESS_INDEX_URL", "REGRESS_INDEX_URL_FILE",
+})
+"""Variables that hold regress's own credentials (broker, message key, webhooks, index): never an API key to send."""
+
+
 class ServerSettings(_Strict):
     """How the ``server`` backend reaches vLLM's OpenAI-compatible server (``backend: server``).
 
@@ -305,6 +312,16 @@ class ServerSettings(_Strict):
     built as users' requests build it); the prompt token ids the server used are recorded, so a
     server-side template that differs from the golden's shows as input drift. Plain ``prompt``
     prompts still go through ``/v1/completions``."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _not_regress_credentials(cls, value: str | None) -> str | None:
+        # The named variable's value is sent to the server as a bearer token: never one of
+        # regress's own credentials (a spec that names one would hand it to whoever runs the URL).
+        if value is not None and value in REGRESS_CREDENTIAL_VARIABLES:
+            raise ValueError(f"'{value}' holds one of regress's own credentials; name a variable that holds "
+                             "the server's API key")
+        return value
 
     @field_validator("url")
     @classmethod

@@ -41,6 +41,7 @@ def test_server_settings_validation():
     assert "server" not in CandidateSpec(name="s", model="m").model_dump()
     assert "server" not in CandidateSpec(name="s", model="m", backend="server").model_dump()
     for bad in ({"url": "http://user:pass@h"}, {"url": "ftp://h"}, {"url": "h:8000"}, {"api_key_env": "my-key"},
+                {"api_key_env": "REGRESS_BROKER_KEY"}, {"api_key_env": "REGRESS_GITHUB_TOKEN"},
                 {"concurrency": 0}, {"concurrency": 1025}, {"colour": 1}):
         with pytest.raises(ValidationError):
             CandidateSpec(name="s", model="m", backend="server", server=bad)
