@@ -14,7 +14,7 @@ from regress.config import Params
 from regress.records import CandidateSpec, RunManifest, ScoredRun
 
 if TYPE_CHECKING:
-    from regress.diagnosis.engines import WarmEngines
+    from regress.replay.warm import WarmEngines
     from regress.diagnosis.record import Diagnosis
     from regress.replay import Executor, ProgressSink
 
@@ -143,7 +143,7 @@ def run_check(
                       baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None)
     scored = score_candidate(params, spec, golden_dir=golden_dir)
     if params.diagnose is not None and scored.report.metrics.verdict == "fail" and spec.name != params.baseline.name:
-        # A warm executor's engines (regress.diagnosis.engines) serve the probes too.
+        # A warm executor's engines (regress.replay.warm) serve the probes too.
         diagnosis = diagnose_candidate(params, spec, golden_dir=golden_dir, progress=progress,
                                        probes=params.diagnose.probes, max_prompts=params.diagnose.max_prompts,
                                        engines=getattr(executor, "engines", None))

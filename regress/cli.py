@@ -430,9 +430,7 @@ def diff_command(
     where = template_lines(a, b)
     applied = _applied_differences(p, a.name, b.name)
     if as_json:
-        rows = [{"source": d.source, "setting": d.name, "baseline": d.baseline, "candidate": d.candidate}
-                for d in found]
-        _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": rows,
+        _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": [d.row() for d in found],
                           "chat_template_first_difference": list(where) if where else None,
                           "applied_differences": None if applied is None else [
                               {"setting": s.name, "baseline": s.baseline, "candidate": s.candidate} for s in applied]},

@@ -154,6 +154,10 @@ class Difference:
     def mitigation(self) -> str:
         return MITIGATION[self.source]
 
+    def row(self) -> dict[str, str]:
+        """As ``regress diff --json`` and diagnosis.json list it."""
+        return {"source": self.source, "setting": self.name, "baseline": self.baseline, "candidate": self.candidate}
+
 
 UNSET = "-"
 

@@ -24,6 +24,7 @@ exit code; users never see a traceback for their own mistakes.
     │   ├── BrokerError               the Celery broker is unreachable, or shards stopped arriving
     │   ├── ShardsFailedError         shards of a run failed on the workers (names each)
     │   ├── ShardFailed               one shard failed on a worker (crosses the result backend)
+    │   ├── ServerHTTPError           a served candidate's server answered with an error status (names the URL)
     │   ├── PackageIndexError         the package index is unreachable or answered nonsense (names the URL)
     │   ├── WatchStateError           the watcher's state store is unreachable or holds a malformed record
     │   ├── PostError                 a webhook or GitHub API POST failed (status and body when answered)
@@ -185,6 +186,15 @@ class ShardFailed(RunError):
     """One shard could not be run on a worker; the message names the candidate, shard and worker.
 
     One plain string argument, so that it crosses the JSON result backend intact."""
+
+
+class ServerHTTPError(RunError):
+    """A server replayed through (``backend: server``) answered a request with an error status.
+    Raised in the engine process; the orchestrator gets it as an engine error naming the candidate."""
+
+    def __init__(self, url: str, status: int, body: str):
+        self.status = status
+        super().__init__(f"{url} answered HTTP {status}: {body[:500]}")
 
 
 class PackageIndexError(RunError):

@@ -200,7 +200,7 @@ class Lab:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_dir: Path):  # type: ignore[no-untyped-def]
     from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
-    from regress.diagnosis.engines import WarmEngines
+    from regress.replay.warm import WarmEngines
 
     root = tmp_path_factory.mktemp("diagnosis")
     write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)

@@ -210,7 +210,7 @@ def warm_engines():
     """One engine for the module's checks: the candidates differ from the baseline only in
     sampling, which is applied per request, so the baseline's engine serves them all (and the
     baseline's scoring of the candidates' samples)."""
-    from regress.diagnosis.engines import WarmEngines
+    from regress.replay.warm import WarmEngines
 
     with WarmEngines(keep=1) as engines:
         yield engines

@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -58,7 +58,7 @@ from regress.backends.base import (
     read_chat_template,
     tokenizer_facts,
 )
-from regress.errors import InputError
+from regress.errors import InputError, ServerHTTPError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ENDPOINT = "/v1/completions"
@@ -395,12 +395,22 @@ def chat_rows(token_ids: list[int], contents: list[dict[str, Any]], k: int) -> L
     return _rows(chosen, ids, lps, k)
 
 
-class ServerHTTPError(RuntimeError):
-    """A request the server answered with an error status (internal: becomes an engine error)."""
-
-    def __init__(self, url: str, status: int, body: str):
-        self.status = status
-        super().__init__(f"{url} answered HTTP {status}: {body[:500]}")
+async def _events(session: Any, url: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of one streamed answer (server-sent ``data:`` lines) up to ``[DONE]``; an
+    error status or an error chunk raises."""
+    async with session.post(url, json=payload) as response:
+        if response.status != 200:
+            raise ServerHTTPError(shown_url(url), response.status, await response.text())
+        async for raw in response.content:
+            if not raw.startswith(b"data:"):
+                continue
+            data = raw[5:].strip()
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"the server at {shown_url(url)} failed a request: {chunk['error']}")
+            yield chunk
 
 
 class VllmServerBackend(EngineBackend):
@@ -652,33 +662,22 @@ class VllmServerBackend(EngineBackend):
         finish = "unknown"
         first: float | None = None
         sent = time.perf_counter()
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                raise ServerHTTPError(shown_url(url), response.status, await response.text())
-            async for raw in response.content:
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"the server at {shown_url(url)} failed a request: {chunk['error']}")
-                if chunk.get("prompt_token_ids") is not None:
-                    prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]
-                for choice in chunk.get("choices") or ():
-                    text.append((choice.get("delta") or {}).get("content") or "")
-                    content = (choice.get("logprobs") or {}).get("content") or []
-                    ids = choice.get("token_ids")
-                    if ids is None:  # no return_token_ids per chunk: the ids of the logprob entries
-                        ids = [_token_id(str(c.get("token", ""))) for c in content]
-                    if ids:
-                        if first is None:
-                            first = time.perf_counter()
-                        token_ids += [int(t) for t in ids]
-                        contents += content
-                    if choice.get("finish_reason"):
-                        finish = str(choice["finish_reason"])
+        async for chunk in _events(session, url, payload):
+            if chunk.get("prompt_token_ids") is not None:
+                prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]
+            for choice in chunk.get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+                content = (choice.get("logprobs") or {}).get("content") or []
+                ids = choice.get("token_ids")
+                if ids is None:  # no return_token_ids per chunk: the ids of the logprob entries
+                    ids = [_token_id(str(c.get("token", ""))) for c in content]
+                if ids:
+                    if first is None:
+                        first = time.perf_counter()
+                    token_ids += [int(t) for t in ids]
+                    contents += content
+                if choice.get("finish_reason"):
+                    finish = str(choice["finish_reason"])
         end = time.perf_counter()
         if prompt_ids is None:
             raise RuntimeError(f"the server at {shown_url(url)} returned no prompt_token_ids for a chat request "
@@ -700,28 +699,17 @@ class VllmServerBackend(EngineBackend):
         first: float | None = None
         sent = time.perf_counter()
         # Only collect while streaming (the client shares the CPU with the server); parse after.
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                raise ServerHTTPError(shown_url(url), response.status, await response.text())
-            async for raw in response.content:
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise RuntimeError(f"the server at {shown_url(url)} failed a request: {chunk['error']}")
-                for choice in chunk.get("choices") or ():
-                    text.append(choice.get("text") or "")
-                    logprobs = choice.get("logprobs")
-                    if logprobs and logprobs.get("tokens"):
-                        if first is None:
-                            first = time.perf_counter()
-                        tokens += logprobs["tokens"]
-                        tops += logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])
-                    if choice.get("finish_reason"):
-                        finish = str(choice["finish_reason"])
+        async for chunk in _events(session, url, payload):
+            for choice in chunk.get("choices") or ():
+                text.append(choice.get("text") or "")
+                logprobs = choice.get("logprobs")
+                if logprobs and logprobs.get("tokens"):
+                    if first is None:
+                        first = time.perf_counter()
+                    tokens += logprobs["tokens"]
+                    tops += logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])
+                if choice.get("finish_reason"):
+                    finish = str(choice["finish_reason"])
         end = time.perf_counter()
         token_ids, rows = stream_rows(tokens, tops, k)
         return RawGeneration(output_token_ids=token_ids, text="".join(text), finish_reason=finish, logprobs=rows,

@@ -3,7 +3,7 @@
 Steps: pick the drifted prompts from the candidate's scores (regressions first, at most
 ``max_prompts``), build the probes that apply (:mod:`regress.diagnosis.probes`), run each as a
 normal, resumable replay of just those prompts into ``<diagnosis dir>/<probe>[-side]/`` on warm
-engines (one engine per configuration: :mod:`regress.diagnosis.engines`), compare the outputs,
+engines (one engine per configuration: :mod:`regress.replay.warm`), compare the outputs,
 and attribute (:mod:`regress.diagnosis.attribute`). The result is ``diagnosis.json`` beside the
 candidate's scores.
 """
@@ -27,7 +27,7 @@ from regress.storage import atomic_write_text
 
 if TYPE_CHECKING:
     from regress.datasets import PromptSet
-    from regress.diagnosis.engines import WarmEngines
+    from regress.replay.warm import WarmEngines
     from regress.replay import ProgressSink
     from regress.runs import RunResult
 
@@ -93,7 +93,7 @@ def _jobs(probes: list[Probe], root: Path) -> list[_Job]:
 
 def _ordered(jobs: list[_Job]) -> list[_Job]:
     """Jobs grouped by engine configuration (first appearance order), so one warm engine serves each group."""
-    from regress.diagnosis.engines import configuration_key
+    from regress.replay.warm import configuration_key
 
     order: dict[str, int] = {}
     for j in jobs:
@@ -124,11 +124,11 @@ def diagnose(
     keeps its own, one at a time, and closes them when done."""
     from contextlib import nullcontext
 
-    from regress.diagnosis.engines import WarmEngines
     from regress.effective import differences
     from regress.replay import SilentProgress
-    from regress.replay.run import execute_plan
     from regress.replay.plan import plan_replay
+    from regress.replay.run import execute_plan
+    from regress.replay.warm import WarmEngines
     from regress.runs import load_run
 
     progress = progress or SilentProgress()
@@ -138,8 +138,7 @@ def diagnose(
                           f"(run {run.manifest.run_id}); score it again (`regress score {candidate.name}`)")
     ids, left_out = drifted_prompts(scored, run, max_prompts)
     found = differences(baseline, candidate)
-    shown_differences = [{"source": d.source, "setting": d.name, "baseline": d.baseline, "candidate": d.candidate}
-                         for d in found]
+    shown_differences = [d.row() for d in found]
     effective = _effective(run)
     built, skipped = build_probes(baseline, candidate, probes, effective=effective, found=found) if ids else ([], [])
     records: dict[str, ProbeRun] = {}

@@ -1,9 +1,10 @@
-"""Warm engines for a diagnosis: one engine per configuration, shared by every run that uses it.
+"""Warm engines: one engine per configuration, shared by every run that uses it.
 
-A diagnosis runs the same configuration more than once (the candidate batched together, alone
-and again); loading it each time would cost an engine start per run. :class:`WarmEngines` keeps
-one engine process per configuration (the candidate spec without its name) while the diagnosis
-runs and hands out executors that run plans on it. At most ``keep`` engines stay alive (the
+Several runs of one configuration (a diagnosis runs the candidate batched together, alone and
+again; candidates that differ only in sampling run on the baseline's engine) would otherwise
+cost an engine start each; the local executor starts one per run. :class:`WarmEngines` keeps
+one engine process per configuration (what the engine process is started with) while its
+user runs and hands out executors that run plans on it. At most ``keep`` engines stay alive (the
 least recently used is closed first), so memory stays bounded; the diagnosis orders its runs so
 that each configuration's runs come together. A caller that diagnoses several candidates (or
 replays one and then diagnoses it) can pass one :class:`WarmEngines` to all of them.
@@ -20,7 +21,7 @@ from regress.engine.client import EngineProcess
 from regress.envs import python_for
 from regress.errors import EngineError
 from regress.records import CandidateSpec
-from regress.replay.executors import ExecutionOutcome, shard_request
+from regress.replay.executors import ExecutionOutcome, saved_execution_outcome, shard_request
 from regress.replay.plan import ReplayPlan
 from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done
 from regress.replay.sink import ProgressSink
@@ -103,8 +104,6 @@ class WarmExecutor:
         self.engines = engines
 
     def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
-        from regress.replay.executors import saved_execution_outcome
-
         pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
         if not pending:
             return saved_execution_outcome(run_dir)
