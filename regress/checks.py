@@ -73,12 +73,19 @@ def score_candidate(
     out: Path | None = None,
     with_report: bool = True,
     diagnosis: "Diagnosis | None" = None,
+    source: str = "score",
+    release: tuple[str, str] | None = None,
 ) -> ScoredCandidate:
     """Score a replayed candidate; write scores.json and metrics.json, and (unless told not to)
     its report. The baseline's measured noise (``golden/noise.json``, when there is one for this
     golden) is applied (:mod:`regress.noise.floor`). ``out`` writes scores and report there instead of scores/ and reports/.
     The report shows the candidate's diagnosis (``diagnosis``, else its ``diagnosis.json`` when it
-    is of this run)."""
+    is of this run).
+
+    Scores written to scores/ add a line to the check history (``scores/history.jsonl``,
+    :func:`regress.trend.record_check`) with ``source`` (``check``, ``score``, ``watch``,
+    ``bisect``) and the ``release`` checked, (package, version); None: inferred from how the
+    candidate differs from the golden's baseline (:func:`regress.trend.release_of`)."""
     from regress.diagnosis.record import load_diagnosis
     from regress.datasets import load_prompt_set
     from regress.envs import regress_home
@@ -103,6 +110,12 @@ def score_candidate(
                             metrics=metrics, noise=noise)
     scores_dir = out or params.scores_dir() / spec.name
     write_score_outputs(report, scores_dir)
+    if out is None:  # scores written elsewhere (--out) are an aside, not a check of the project
+        from regress.trend import record_check, release_of
+
+        if release is None:
+            release = release_of(spec, params.golden_baseline(golden_run.manifest) or params.baseline)
+        record_check(params, report, spec, source=source, release=release)  # type: ignore[arg-type]
     page = None
     if with_report:
         with stderr_console.status("writing the report"):
@@ -126,10 +139,14 @@ def run_check(
     progress: "ProgressSink | None" = None,
     force: bool = False,
     golden_scoring: bool = True,
+    source: str = "check",
+    release: tuple[str, str] | None = None,
 ) -> CheckResult:
     """Replay ``spec`` against the golden into runs/<name>, score it and write its report.
     ``golden_scoring``: let the baseline score the candidate's samples (sampled prompts only;
-    one more engine load; see :func:`regress.replay.replay`)."""
+    one more engine load; see :func:`regress.replay.replay`). ``source`` and ``release`` go to
+    the check history (:func:`score_candidate`): who ran the check (``check``, ``watch``,
+    ``bisect``) and the (package, version) it checks, None to infer it."""
     from regress.datasets import load_prompt_set
     from regress.replay import replay
     from regress.runs import load_run
@@ -141,7 +158,7 @@ def run_check(
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
                       executor=executor, progress=progress, force=force,
                       baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None)
-    scored = score_candidate(params, spec, golden_dir=golden_dir)
+    scored = score_candidate(params, spec, golden_dir=golden_dir, source=source, release=release)
     if params.diagnose is not None and scored.report.metrics.verdict == "fail" and spec.name != params.baseline.name:
         # A warm executor's engines (regress.replay.warm) serve the probes too.
         diagnosis = diagnose_candidate(params, spec, golden_dir=golden_dir, progress=progress,

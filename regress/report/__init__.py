@@ -7,6 +7,8 @@
     reports/<candidate>/metrics.json   aggregates (RunMetrics; schema in metrics.schema.json)
     reports/<candidate>/junit.xml      a test case per prompt, a failure per regression
     reports/<candidate>/summary.md     Markdown for a CI job summary or a PR comment
+    reports/candidates.json            headline numbers per candidate (dvc plots)
+    reports/trend.json                 per release checked, in version order (dvc plots; regress.trend)
 
 Every file is written atomically. The files of one candidate are not replaced all at once, so
 each names the scoring it was made from: ``index.html``, ``junit.xml`` and ``summary.md`` end
@@ -27,6 +29,7 @@ from regress.storage import atomic_write_text
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
+    from regress.trend import HistoryLine
 
 INDEX_FILE = "index.html"
 METRICS_FILE = "metrics.json"
@@ -97,16 +100,40 @@ def check_report(score: ScoredRun, out_dir: str | Path) -> None:
                          "report); run `regress report` again")
 
 
-def write_index(reports: list[tuple[ScoredRun, str]], out_dir: str | Path) -> Path:
+def write_index(reports: list[tuple[ScoredRun, str]], out_dir: str | Path, *,
+                history: "str | Path | list[HistoryLine] | None" = None) -> Path:
     """Write ``index.html`` listing every candidate: (score report, relative link to its page).
 
     Links must be relative paths (``f32/index.html``); anything with a scheme is refused.
+    ``history`` (the check history's file, ``scores/history.jsonl``, or its lines) adds the
+    "Trend across releases" section and writes ``trend.json`` beside the page
+    (:func:`write_trend_table`).
     """
     from regress.report.render import render_index
+    from regress.trend import load_history
 
+    lines = None
+    if history is not None:
+        lines = history if isinstance(history, list) else load_history(history)
+        write_trend_table(lines, out_dir)
     page = Path(out_dir) / INDEX_FILE
-    atomic_write_text(page, render_index(reports))
+    atomic_write_text(page, render_index(reports, lines))
     return page
+
+
+TREND_TABLE = "trend.json"
+"""Per package, per release in version order: the numbers of the trend (the data of ``dvc plots``)."""
+
+
+def write_trend_table(history: "list[HistoryLine]", out_dir: str | Path) -> Path:
+    """Write ``trend.json``: the rows of :func:`regress.trend.trend_rows` ([] without release lines)."""
+    import json
+
+    from regress.trend import trend_rows, trend_series
+
+    path = Path(out_dir) / TREND_TABLE
+    atomic_write_text(path, json.dumps(trend_rows(trend_series(history)), indent=2, ensure_ascii=False))
+    return path
 
 
 CANDIDATES_TABLE = "candidates.json"
@@ -138,16 +165,20 @@ def write_candidates_table(reports: list[ScoredRun], out_dir: str | Path) -> Pat
 
 
 def refresh_index(reports_dir: str | Path, scores_dir: str | Path | None = None) -> Path:
-    """Rewrite ``<reports_dir>/index.html`` and ``candidates.json`` from every
-    ``<scores_dir>/*/scores.json`` (default: the reports directory itself), by candidate name."""
+    """Rewrite ``<reports_dir>/index.html``, ``candidates.json`` and ``trend.json`` from every
+    ``<scores_dir>/*/scores.json`` and the check history ``<scores_dir>/history.jsonl``
+    (default: the reports directory itself), by candidate name."""
     from regress.scoring import SCORES_FILE, read_scored_run
+    from regress.trend import HISTORY_FILE
 
     reports_dir = Path(reports_dir)
-    found = sorted(p.parent for p in Path(scores_dir or reports_dir).glob(f"*/{SCORES_FILE}"))
+    scores = Path(scores_dir or reports_dir)
+    found = sorted(p.parent for p in scores.glob(f"*/{SCORES_FILE}"))
     reports = [read_scored_run(d / SCORES_FILE) for d in found]
     write_candidates_table(reports, reports_dir)
-    return write_index([(r, f"{d.name}/{INDEX_FILE}") for r, d in zip(reports, found)], reports_dir)
+    return write_index([(r, f"{d.name}/{INDEX_FILE}") for r, d in zip(reports, found)], reports_dir,
+                       history=scores / HISTORY_FILE)
 
 
-__all__ = ["write_candidate_report", "check_report", "write_index", "refresh_index", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
+__all__ = ["write_candidate_report", "check_report", "write_index", "refresh_index", "write_trend_table", "TREND_TABLE", "METRICS_SCHEMA", "INDEX_FILE", "METRICS_FILE",
            "JUNIT_FILE", "SUMMARY_FILE"]

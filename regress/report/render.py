@@ -26,6 +26,7 @@ from regress.runs import RunResult
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
+    from regress.trend import HistoryLine
 
 TEMPLATES = Path(__file__).parent / "templates"
 SCRIPT, STYLE = "report.js", "report.css"
@@ -113,8 +114,12 @@ def _safe_link(link: str) -> str:
     return link
 
 
-def render_index(reports: list[tuple[ScoredRun, str]]) -> str:
-    """The page listing every candidate checked."""
+def render_index(reports: list[tuple[ScoredRun, str]], history: "list[HistoryLine] | None" = None) -> str:
+    """The page listing every candidate checked, and (when ``history`` has release lines) the
+    trend across releases (:mod:`regress.report.trendchart`)."""
+    from regress.report.trendchart import trend_context
+    from regress.trend import trend_series
+
     rows = []
     for score, link in reports:
         m = score.metrics
@@ -124,7 +129,8 @@ def render_index(reports: list[tuple[ScoredRun, str]]) -> str:
     failed = sum(1 for r in rows if r["m"].verdict == "fail")
     context = {"csp": csp(script=False), "rows": rows, "failed": failed,
                "classes": [(k, overview.CLASS_LABELS[k]) for k in overview.CLASS_ORDER],
-               "created": _stamp(datetime.now(timezone.utc)), "style": STYLE}
+               "created": _stamp(datetime.now(timezone.utc)), "style": STYLE,
+               "trend": trend_context(trend_series(history or []))}
     return valid_text(environment().get_template("index.html.j2").render(context))
 
 

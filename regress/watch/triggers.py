@@ -133,10 +133,12 @@ class LocalTrigger(Trigger):
         spec = release_candidate(params, request)
         executor = executor_for(params) if self.use_params_executor else None
         if self.progress_factory is None:
-            result = run_check(params, spec, executor=executor)
+            result = run_check(params, spec, executor=executor, source="watch",
+                               release=(request.package, request.version))
         else:
             with self.progress_factory(f"check '{spec.name}'") as progress:
-                result = run_check(params, spec, executor=executor, progress=progress)
+                result = run_check(params, spec, executor=executor, progress=progress, source="watch",
+                                   release=(request.package, request.version))
         metrics = result.scored.report.metrics
         return TriggerOutcome(
             "fail" if result.gating_failed else "pass",
