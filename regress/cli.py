@@ -694,6 +694,7 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
     envs = list_envs()
     if as_json:
         _out(json.dumps([{"package": e.spec.package, "requirements": list(e.spec.requirements), "path": str(e.path),
+                          "layered": e.spec.layered, "base": e.info.get("base") if e.spec.layered else None,
                           "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s"),
                           "integrity": e.info.get("integrity")} for e in envs], indent=2))
         return
@@ -704,7 +705,9 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
         # Listed from the markers, not verified: `regress env verify` hashes, every use checks.
         digest = (f"digest {str(integrity.get('digest'))[:12]}, {integrity.get('files')} files"
                   if isinstance(integrity, dict) else "no digest yet: regress env verify records one")
-        _out(f"{e.spec.describe():40}  {e.path}  (created {e.info.get('created_at', '?')[:19]}, "
+        base = e.info.get("base") if e.spec.layered else None
+        layer = f"layered over {base.get('path') if isinstance(base, dict) else '?'}, " if e.spec.layered else ""
+        _out(f"{e.spec.describe():40}  {e.path}  ({layer}created {e.info.get('created_at', '?')[:19]}, "
              f"install {e.info.get('install_s', '?')} s, {digest})")
 
 
@@ -753,12 +756,15 @@ def env_remove(
     targets: list[str] = typer.Argument(..., help="Package specs or candidate names."),
     params: Path = ParamsOption,
 ) -> None:
-    """Delete cached environments."""
-    from regress.envs import remove_env
+    """Delete cached environments (and the layered environments over them: rebuilt in seconds)."""
+    from regress.envs import layers_over, remove_env
 
     for target in targets:
         spec = _env_spec(target, params)
+        layers = [] if spec.layered else layers_over(spec)
         _out(f"{spec.describe()}: {'removed' if remove_env(spec) else 'no such environment'}")
+        for layer in layers:
+            _out(f"{layer.spec.describe()}: removed (layered over it)")
 
 
 @env_app.command("path")
@@ -783,7 +789,8 @@ def env_verify(
     Exit 3, naming the environment and the first differing file, on a difference. Every use
     runs a quicker check (sizes and times of every file; the start-up files hashed); this one
     reads every byte. An environment made before regress recorded digests is adopted: its
-    digest is recorded now, trusting that nothing changed it since it was built.
+    digest is recorded now, trusting that nothing changed it since it was built. A layered
+    environment is verified with the environment it is layered over.
     """
     from regress.envs import cached_env, envs_root, list_envs, verify_env
     from regress.errors import CandidateEnvError, InputError
@@ -802,17 +809,28 @@ def env_verify(
             return
         raise InputError("name package specs or candidates, or pass --all")
     failures = []
-    for env in {env.path: env for env in envs}.values():  # --all and a name may both list one
+    verified: set[str] = set()
+    # --all and a name may both list one; full environments first, so that a base listed too is
+    # hashed once, not again for each layer over it.
+    unique = sorted({env.path: env for env in envs}.values(), key=lambda env: env.spec.layered)
+    for env in unique:
+        recorded = env.info.get("base")
+        base_done = env.spec.layered and isinstance(recorded, dict) and str(recorded.get("path")) in verified
         with stderr_console.status(f"hashing every file of {env.spec.describe()}"):
             try:
-                check = verify_env(env)
+                check = verify_env(env, base=not base_done)
             except CandidateEnvError as exc:
                 _out(f"{env.spec.describe()}: FAILED  {env.path}")
                 failures.append(str(exc))
                 continue
+        verified.add(str(env.path))
         what = "adopted (digest recorded from its current content)" if check.adopted else "verified"
+        over = ""
+        if check.base is not None:
+            over = (f" (layered over {env.info['base']['path']}: "
+                    f"{'verified above' if base_done else f'verified, {check.base.files} files'})")
         _out(f"{env.spec.describe()}: {what}, {check.files} files, {check.bytes_hashed / 1e9:.2f} GB hashed "
-             f"in {check.seconds:.1f} s  {env.path}")
+             f"in {check.seconds:.1f} s  {env.path}{over}")
     if failures:
         raise CandidateEnvError("\n".join(failures))
 
@@ -823,6 +841,9 @@ def env_verify(
 from regress.watch.cli import register as register_watch  # noqa: E402  (adds `regress watch`)
 
 register_watch(app)
+from regress.bisect.cli import register as register_bisect  # noqa: E402  (adds `regress bisect`)
+
+register_bisect(app)
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
@@ -893,6 +914,10 @@ def report_crash(exc: BaseException) -> int:
     return EXIT_RUN_FAILED
 
 
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (128 + SIGINT), as shells report it."""
+
+
 def run_app(typer_app: typer.Typer) -> None:
     """Run ``typer_app`` and exit with the code the project's conventions give: the regress
     error's own, 2 for usage errors, 130 when interrupted, 3 with a crash log for anything else."""
@@ -905,8 +930,7 @@ def run_app(typer_app: typer.Typer) -> None:
         sys.exit(exc.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         # click turns Ctrl-C into Abort; a KeyboardInterrupt outside its main loop arrives as is.
-        stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
-        sys.exit(130)
+        _interrupted()
     except _usage_errors() as exc:
         show = getattr(exc, "show", None)
         if callable(show):
@@ -918,7 +942,15 @@ def run_app(typer_app: typer.Typer) -> None:
         sys.exit(EXIT_INPUT)
     except Exception as exc:  # noqa: BLE001 - the last boundary: whatever no one mapped
         sys.exit(report_crash(exc))
+    if code == EXIT_INTERRUPTED:
+        # This click returns 130 for Ctrl-C in standalone_mode=False instead of raising Abort.
+        _interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _interrupted() -> None:
+    stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def main() -> None:

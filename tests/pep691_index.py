@@ -7,8 +7,10 @@ GitHub API), answering with a chosen status.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -40,7 +42,7 @@ class _IndexHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         index: LocalIndex = self.server.owner  # type: ignore[attr-defined]
         index.requests.append((self.path, self.headers.get("Accept", "")))
-        status, content_type, body = index.page(self.path)
+        status, content_type, body = index.download(self.path) or index.page(self.path)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -60,6 +62,7 @@ class LocalIndex(_Server):
         self.projects: dict[str, list[dict[str, Any]]] = {}
         self.answer: tuple[int, str, bytes] | None = None
         self.requests: list[tuple[str, str]] = []
+        self.files: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     @property
@@ -74,6 +77,24 @@ class LocalIndex(_Server):
                  "yanked": yanked}
         with self._lock:
             self.projects.setdefault(project, []).append(entry)
+
+    def publish(self, project: str, wheel: Path) -> None:
+        """Publish a real file (a wheel built by the test): listed with its sha256 and served
+        at ``/files/<name>``, so pip can install it from this index."""
+        body = wheel.read_bytes()
+        entry = {"filename": wheel.name, "url": f"../../files/{wheel.name}",
+                 "hashes": {"sha256": hashlib.sha256(body).hexdigest()}, "yanked": False}
+        with self._lock:
+            self.files[wheel.name] = body
+            self.projects.setdefault(project, []).append(entry)
+
+    def download(self, path: str) -> tuple[int, str, bytes] | None:
+        """A published file, or None when ``path`` is not under /files/."""
+        if not path.startswith("/files/"):
+            return None
+        with self._lock:
+            body = self.files.get(path.removeprefix("/files/"))
+        return (200, "application/octet-stream", body) if body is not None else (404, "text/plain", b"not found")
 
     def page(self, path: str) -> tuple[int, str, bytes]:
         if self.answer is not None:

@@ -536,3 +536,29 @@ def test_every_regress_exception_lives_in_regress_errors():
     engine_side = [f for f in found if f.startswith(("regress/runner.py", "regress/engine/", "regress/backends/"))]
     assert [f for f in found if f not in engine_side] == []
     assert all(issubclass(cls, RegressError) for cls in (BrokerError, PackageIndexError, WatchStateError))
+
+
+def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path):
+    """Ctrl-C inside a command (this click returns 130 rather than raising Abort) still prints
+    the resume hint: an interrupted replay or bisect continues when run again."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(
+        "import os, signal, time, typer\n"
+        "from regress.cli import run_app\n"
+        "app = typer.Typer()\n"
+        "@app.command()\n"
+        "def work():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "@app.command()\n"
+        "def other():\n"
+        "    pass\n"
+        "run_app(app)\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), "work"], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 130
+    assert "run the command again to resume" in " ".join(done.stderr.split())

@@ -1,0 +1,159 @@
+"""The binary search: check the bad version, then the middle of what is left, until the first
+bad release is pinned down. Every step is a normal check (:func:`regress.checks.run_check`):
+replay against the golden in the version's cached environment, score, report, a line in the
+trend history. The state is saved after each step (:mod:`regress.bisect.record`).
+
+A version whose environment cannot be built (a broken release, a wheel missing for this
+platform) is recorded as skipped and the search goes around it; if the first bad release is
+then one of several, the answer says which versions it may also be. Any other failure stops the
+bisect (exit 3) with the finished checks kept: running the command again continues.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from regress.bisect.plan import BisectRange, candidate_for, next_version, template_digest
+from regress.bisect.record import BisectCheck, BisectState, load_state, save_state, state_path
+from regress.config import Params
+from regress.errors import CandidateEnvError
+from regress.records import CandidateSpec
+
+if TYPE_CHECKING:
+    from regress.checks import CheckResult
+    from regress.replay import Executor, ProgressSink
+
+MAX_REGRESSIONS_KEPT = 200
+"""Flipped prompt ids kept per check in the state (the scores keep all of them)."""
+
+
+@dataclass
+class BisectResult:
+    state: BisectState
+    path: Path
+    ran_now: list[str] = field(default_factory=list)
+    """Versions checked by this call (the rest came from the state)."""
+    notes: list[str] = field(default_factory=list)
+
+
+ProgressFactory = Callable[[str], "ProgressSink"]
+
+
+def _fresh_state(rng: BisectRange, template: CandidateSpec, golden_run_id: str, index: str) -> BisectState:
+    return BisectState(package=rng.package, good=rng.good, bad=rng.bad, template=template.name,
+                       template_sha256=template_digest(template), golden_run_id=golden_run_id, index=index,
+                       versions=rng.versions)
+
+
+def _resumable(state: BisectState | None, fresh: BisectState, notes: list[str]) -> BisectState:
+    """The saved state when it asks the same question of the same golden and template; its checks
+    of versions still in range are kept when the index now lists other versions."""
+    if state is None:
+        return fresh
+    if state.golden_run_id != fresh.golden_run_id:
+        notes.append("the golden changed since the saved checks: starting over")
+        return fresh
+    if state.template_sha256 != fresh.template_sha256:
+        notes.append(f"candidate '{fresh.template}' changed since the saved checks: starting over")
+        return fresh
+    kept = [c for c in state.checks if c.version in fresh.versions]
+    if state.versions != fresh.versions:
+        notes.append(f"the index lists other versions than when the bisect started: {len(kept)} check(s) kept")
+    if kept:
+        notes.append(f"resuming: {len(kept)} check(s) already done ({', '.join(c.version for c in kept)})")
+    return fresh.model_copy(update={"checks": kept, "started_at": state.started_at})
+
+
+def _check_record(version: str, spec: CandidateSpec, result: "CheckResult", root: Path, seconds: float) -> BisectCheck:
+    report = result.scored.report
+    regressions = [s.prompt_id for s in report.scores if s.prompt_class == "regression"]
+    page = result.scored.page
+    try:
+        page_rel = str(Path(page).resolve().relative_to(root.resolve())) if page else None
+    except ValueError:
+        page_rel = str(page)
+    m = report.metrics
+    return BisectCheck(
+        version=version, candidate=spec.name, outcome="fail" if result.gating_failed else "pass",
+        verdict=m.verdict, run_id=result.manifest.run_id, report=page_rel,
+        regressions=regressions[:MAX_REGRESSIONS_KEPT], identical=getattr(m, "identical", None),
+        prompts=getattr(m, "prompts", None), mean_teacher_forced_kl=getattr(m, "mean_teacher_forced_kl", None),
+        seconds=round(seconds, 1))
+
+
+def _conclude(state: BisectState) -> BisectState:
+    outcomes = {c.version: c.outcome for c in state.checks}
+    version, lo, hi = next_version(state.versions, outcomes)
+    now = datetime.now(timezone.utc)
+    if version is not None:
+        return state.model_copy(update={"status": "running", "updated_at": now})
+    bad = state.versions[-1]
+    if outcomes.get(bad) != "fail":
+        return state.model_copy(update={"status": "no-regression", "first_bad": None, "last_good": None,
+                                        "untested_before": [], "updated_at": now})
+    untested = [v for v in state.versions[lo + 1:hi] if outcomes.get(v) == "skipped"]
+    return state.model_copy(update={
+        "status": "found", "first_bad": state.versions[hi],
+        "last_good": state.versions[lo] if lo >= 0 else state.good,
+        "untested_before": untested, "updated_at": now})
+
+
+def bisect(
+    params: Params,
+    rng: BisectRange,
+    template: CandidateSpec,
+    *,
+    index: str,
+    executor: "Executor | None" = None,
+    progress: ProgressFactory | None = None,
+    on_check: Callable[[BisectState, BisectCheck], None] | None = None,
+    restart: bool = False,
+    force: bool = False,
+    layered: bool = True,
+) -> BisectResult:
+    """Search ``rng`` for the first release that fails against the golden, checking ``template``
+    with each version pinned. Resumes from ``bisect/<package>-<good>-<bad>.json`` unless
+    ``restart``; ``force`` replays a version even when an up-to-date run of it exists."""
+    from regress.checks import run_check
+    from regress.runs import load_run
+
+    golden = load_run(params.golden_dir())
+    baseline_name = (params.golden_baseline(golden.manifest) or params.baseline).name
+    path = state_path(params.root, rng.package, rng.good, rng.bad)
+    notes: list[str] = []
+    fresh = _fresh_state(rng, template, golden.manifest.run_id, index)
+    state = _resumable(None if restart else load_state(path), fresh, notes)
+    state = _conclude(state)
+    save_state(path, state)
+    ran: list[str] = []
+    while True:
+        outcomes = {c.version: c.outcome for c in state.checks}
+        version, _, _ = next_version(state.versions, outcomes)
+        if version is None:
+            break
+        spec = candidate_for(template, rng.package, version, baseline_name=baseline_name, layered=layered)
+        started = time.monotonic()
+        sink = progress(f"{rng.package} {version} (check {state.checked + 1})") if progress else None
+        try:
+            if sink is not None and hasattr(sink, "__enter__"):
+                with sink:  # type: ignore[attr-defined]
+                    result = run_check(params, spec, executor=executor, progress=sink, force=force,
+                                       source="bisect", release=(rng.package, version))
+            else:
+                result = run_check(params, spec, executor=executor, progress=sink, force=force,
+                                   source="bisect", release=(rng.package, version))
+            check = _check_record(version, spec, result, params.root, time.monotonic() - started)
+        except CandidateEnvError as exc:
+            # Not installable: go around it (git bisect's "skip"); the answer names it if it matters.
+            check = BisectCheck(version=version, candidate=spec.name, outcome="skipped",
+                                detail=str(exc).splitlines()[0][:500], seconds=round(time.monotonic() - started, 1))
+        ran.append(version)
+        state = _conclude(state.model_copy(update={"checks": [*state.checks, check]}))
+        save_state(path, state)
+        if on_check is not None:
+            on_check(state, check)
+    return BisectResult(state, path, ran, notes)
