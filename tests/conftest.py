@@ -173,6 +173,25 @@ def verdict_workspace(workspace: Path, golden_dir: Path, fixture_model: Path, tm
 
 
 @pytest.fixture(scope="session")
+def alone_arm(workspace: Path, golden_dir: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`regress noise` with the 'alone' arm (the baseline, each prompt alone) in a copy of the
+    shared workspace, once per session: test_noise checks the arm, test_verdicts_engine scores
+    its run as a batch-composition candidate. Returns (the copy's root, the command's result)."""
+    import shutil
+
+    from report_fixtures import NO_SEMANTIC
+
+    root = tmp_path_factory.mktemp("alone-arm")
+    shutil.copytree(workspace / "datasets", root / "datasets")
+    shutil.copytree(golden_dir, root / "golden")  # the session golden stays clean
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params.update(candidates={}, thresholds={"near_tie_margin": 0, "metrics": NO_SEMANTIC},
+                  noise={"arms": ["alone"]})
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    return root, run_cli("noise", cwd=root)
+
+
+@pytest.fixture(scope="session")
 def same_run(workspace: Path, golden_dir: Path) -> subprocess.CompletedProcess[str]:
     """`regress replay same` (the baseline again, local executor) into runs/same, once per session."""
     result = run_cli("replay", "same", cwd=workspace)

@@ -192,23 +192,17 @@ def test_noise_settings_are_validated(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the real engine
 
 @pytest.mark.engine
-def test_an_arm_that_flips_a_prompt_makes_the_same_flip_benign(workspace: Path, golden_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_an_arm_that_flips_a_prompt_makes_the_same_flip_benign(alone_arm, tmp_path: Path) -> None:
     """near_tie_margin 0: no flip is benign by margin alone. The 'alone' arm (each prompt alone)
     flips some fixture prompts; a candidate that is the baseline with shard size 1 repeats those
     flips, and they are benign with golden/noise.json and not without it."""
     from conftest import run_cli
 
+    # The arm, for real (conftest.alone_arm): `regress noise` in a copy of the shared workspace,
+    # the baseline with each prompt alone, replayed against the golden.
+    arm_root, result = alone_arm
     root = tmp_path / "ws"
-    shutil.copytree(workspace / "datasets", root / "datasets")
-    shutil.copytree(golden_dir, root / "golden")  # the session golden stays clean
-    params = yaml.safe_load((workspace / "params.yaml").read_text())
-    params.update(candidates={}, thresholds={"near_tie_margin": 0, "metrics": NO_SEMANTIC},
-                  noise={"arms": ["alone"]})
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
-
-    # The arm, for real: the baseline with each prompt alone, replayed against the golden.
-    result = run_cli("noise", cwd=root)
+    shutil.copytree(arm_root, root)  # this test moves noise.json aside; the arm's copy stays whole
     assert result.returncode == 0, result.stderr
     assert "noise arm 'alone'" in result.stdout and "noisy on the baseline itself" in result.stdout
     floor = NoiseFloor.model_validate_json(noise_path(root / "golden").read_text())
