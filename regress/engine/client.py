@@ -71,14 +71,18 @@ def engine_environment(candidate: CandidateSpec) -> dict[str, str]:
     return {**ENGINE_DEFAULT_ENV, **candidate.env}
 
 
+DEFAULT_LOAD_TIMEOUT_S = 1800.0
+"""How long an engine may take to start (environment imports, weights, KV cache) by default."""
+
+
 class EngineProcess:
     """One running engine for one candidate."""
 
-    def __init__(self, candidate: CandidateSpec, python: Path, log_path: Path, *, load_timeout_s: float = 1800):
+    def __init__(self, candidate: CandidateSpec, python: Path, log_path: Path, *, load_timeout_s: float | None = None):
         self.candidate = candidate
         self.python = python
         self.log_path = log_path
-        self.load_timeout_s = load_timeout_s
+        self.load_timeout_s = DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._shim: tempfile.TemporaryDirectory[str] | None = None
         self._buffer = b""

@@ -1,6 +1,7 @@
 """Executors run a plan's shards and say what they learned about the engine.
 
-:class:`LocalExecutor` (here) runs them in one engine process on this machine; the Celery
+:class:`LocalExecutor` (here) runs them in one engine process on this machine (its own, or a warm
+one from :class:`regress.replay.warm.WarmEngines`); the Celery
 executor (``regress.worker.executor``) sends them to workers. Either way a shard's result is
 the file it writes into the run directory; the executor returns only the engine's facts.
 """
@@ -12,15 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from regress.engine.client import EngineProcess
+from typing import TYPE_CHECKING
+
 from regress.engine.protocol import EngineInfo, ShardRequest
-from regress.envs import python_for
 from regress.errors import EngineError
 from regress.replay.plan import ReplayPlan, ShardTask
 from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done
 from regress.replay.sink import ProgressSink
 from regress.runs import ENGINE_LOG, VOCAB_FILE, shard_file
 from regress.storage import atomic_write_text
+
+if TYPE_CHECKING:
+    from regress.replay.warm import WarmEngines
 
 
 @dataclass
@@ -62,57 +66,62 @@ class LocalExecutor:
     """Runs every shard in one engine process on this machine (the default; no broker).
 
     If the engine dies (retryable), it is restarted and the shard retried, up to
-    ``max_restarts`` times per run; finished shards are never redone.
+    ``max_restarts`` times per run; finished shards are never redone. With ``engines`` (a pool of
+    warm engines, :class:`regress.replay.warm.WarmEngines`) the engine comes from the pool and
+    stays warm after the run; without, the run starts its own and closes it at the end.
     """
 
-    def __init__(self, *, max_restarts: int = 1, shard_timeout_s: float | None = None):
+    def __init__(self, *, max_restarts: int = 1, shard_timeout_s: float | None = None,
+                 engines: "WarmEngines | None" = None):
         self.max_restarts = max_restarts
         self.shard_timeout_s = shard_timeout_s
+        self.engines = engines
 
     def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
+        from regress.replay.warm import WarmEngines
+
         candidate = plan.candidate
         pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
         if not pending:
             return saved_execution_outcome(run_dir)
         info_file = run_dir / ENGINE_INFO_FILE
-        progress.status(f"preparing environment for {candidate.package}")
-        python, env, _ = python_for(candidate, on_line=lambda line: progress.status(f"pip: {line[:100]}"))
-        environment = str(env.path) if env is not None else None
+        pool = self.engines if self.engines is not None else WarmEngines(keep=1)
         loads, load_s, restarts = 0, 0.0, 0
-        engine: EngineProcess | None = None
-        info: EngineInfo = {}
+        warm = None
         try:
             queue = list(pending)
             while queue:
-                if engine is None:
-                    progress.status(f"loading engine for '{candidate.name}' ({candidate.backend}, {candidate.dtype})")
-                    engine = EngineProcess(candidate, python, run_dir / ENGINE_LOG)
-                    info = engine.start(vocab_out=run_dir / VOCAB_FILE)
-                    loads += 1
-                    load_s += float(info.get("engine_load_s", 0.0))
-                    atomic_write_text(info_file, json.dumps({"info": info, "environment": environment}, default=str))
+                if warm is None:
+                    warm, loaded = pool.acquire(candidate, log=run_dir / ENGINE_LOG, vocab_out=run_dir / VOCAB_FILE,
+                                                on_status=progress.status)
+                    if loaded:
+                        loads += 1
+                        load_s += warm.load_s
+                    atomic_write_text(info_file, json.dumps({"info": warm.info, "environment": warm.environment},
+                                                            default=str))
                     progress.status(f"running '{candidate.name}'")
                 task = queue[0]
                 try:
-                    engine.run_shard(
+                    warm.engine.run_shard(
                         shard_request(task, run_dir, plan.run_id),
                         timeout_s=self.shard_timeout_s,
                         on_progress=lambda event: progress.advance(event.phase, event.done),
                     )
                 except EngineError as exc:
-                    engine.close()
-                    engine = None
+                    pool.discard(candidate)
+                    warm = None
                     if not exc.retryable or restarts >= self.max_restarts:
                         raise
                     restarts += 1
                     progress.status(f"engine died on shard {task.index}; restarting ({restarts}/{self.max_restarts})")
                     continue
                 queue.pop(0)
-            assert engine is not None
-            memory = dict(engine.memory())
-            atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment},
-                                                    default=str))
+            assert warm is not None
+            memory = dict(warm.engine.memory())
+            warm.runs += 1
+            atomic_write_text(info_file, json.dumps({"info": warm.info, "memory": memory,
+                                                     "environment": warm.environment}, default=str))
         finally:
-            if engine is not None:
-                engine.close()
-        return ExecutionOutcome(info, loads, load_s, memory, environment)
+            if self.engines is None:
+                pool.close()
+        return ExecutionOutcome(warm.info, loads, load_s, memory, warm.environment)

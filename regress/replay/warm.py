@@ -2,31 +2,38 @@
 
 Several runs of one configuration (a diagnosis runs the candidate batched together, alone and
 again; candidates that differ only in sampling run on the baseline's engine) would otherwise
-cost an engine start each; the local executor starts one per run. :class:`WarmEngines` keeps
-one engine process per configuration (what the engine process is started with) while its
-user runs and hands out executors that run plans on it. At most ``keep`` engines stay alive (the
-least recently used is closed first), so memory stays bounded; the diagnosis orders its runs so
-that each configuration's runs come together. A caller that diagnoses several candidates (or
-replays one and then diagnoses it) can pass one :class:`WarmEngines` to all of them.
+cost an engine start each; a plain local run starts one and closes it when the run ends.
+:class:`WarmEngines` keeps one engine process per configuration (what the engine process is
+started with) while its user runs, and :meth:`WarmEngines.executor` hands out the local executor
+(:class:`regress.replay.executors.LocalExecutor`) running on it: the same shard loop, engine
+restarts included. At most ``keep`` engines stay alive (the least recently used is closed
+first), so memory stays bounded; the diagnosis orders its runs so that each configuration's runs
+come together. A caller that diagnoses several candidates (or replays one and then diagnoses
+it) can pass one :class:`WarmEngines` to all of them.
+
+A Celery worker keeps its engines in one too (:mod:`regress.worker.tasks`), with
+``failure_ttl_s``: an engine that failed to start for a reason that is not a crash (a bad engine
+argument, a missing model) is not started again for that long, so the later shards of the same
+candidate fail at once instead of each paying for another doomed start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from regress.engine.client import EngineProcess
+from regress.engine.protocol import EngineInfo
 from regress.envs import python_for
-from regress.errors import EngineError
+from regress.errors import EngineError, InputError, RegressError
 from regress.records import CandidateSpec
-from regress.replay.executors import ExecutionOutcome, saved_execution_outcome, shard_request
-from regress.replay.plan import ReplayPlan
-from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done
-from regress.replay.sink import ProgressSink
-from regress.runs import ENGINE_LOG, VOCAB_FILE
-from regress.storage import atomic_write_text
+
+if TYPE_CHECKING:
+    from regress.replay.executors import LocalExecutor
 
 
 def configuration_key(spec: CandidateSpec) -> str:
@@ -36,25 +43,35 @@ def configuration_key(spec: CandidateSpec) -> str:
     runs on the baseline's engine."""
     engine = {k: v for k, v in spec.engine_spec().items() if k != "name"}
     return json.dumps({"engine": engine, "package": spec.package, "requirements": list(spec.requirements),
-                       "env": spec.env}, sort_keys=True, default=str)
+                       "layered": spec.layered, "env": spec.env}, sort_keys=True, default=str)
 
 
-class _Warm:
-    def __init__(self, engine: EngineProcess, info: dict[str, Any], environment: str | None, load_s: float):
-        self.engine = engine
-        self.info = info
-        self.environment = environment
-        self.load_s = load_s
-        self.runs = 0
+def configuration_digest(spec: CandidateSpec) -> str:
+    """A short name for :func:`configuration_key` (log file names)."""
+    return hashlib.sha256(configuration_key(spec).encode()).hexdigest()[:16]
+
+
+@dataclass
+class WarmEngine:
+    """A started engine and what it said when it loaded."""
+
+    engine: EngineProcess
+    info: EngineInfo
+    environment: str | None
+    """The candidate environment it runs in (None: regress's own)."""
+    load_s: float
+    runs: int = 0
 
 
 class WarmEngines:
-    """Engines kept warm across the runs of a diagnosis (use as a context manager)."""
+    """Engines kept warm across runs (use as a context manager; closing stops them all)."""
 
-    def __init__(self, *, keep: int = 1, shard_timeout_s: float | None = None):
-        self.keep = keep
+    def __init__(self, *, keep: int = 1, shard_timeout_s: float | None = None, failure_ttl_s: float | None = None):
+        self.keep = max(1, keep)
         self.shard_timeout_s = shard_timeout_s
-        self._warm: dict[str, _Warm] = {}
+        self.failure_ttl_s = failure_ttl_s
+        self._warm: dict[str, WarmEngine] = {}
+        self._start_failures: dict[str, tuple[float, RegressError]] = {}
         self.loads = 0
 
     def __enter__(self) -> "WarmEngines":
@@ -64,65 +81,73 @@ class WarmEngines:
         self.close()
 
     def close(self) -> None:
-        for warm in self._warm.values():
+        while self._warm:
+            _, warm = self._warm.popitem()
             warm.engine.close()
-        self._warm.clear()
 
-    def _engine(self, spec: CandidateSpec, log_dir: Path, progress: ProgressSink) -> tuple[_Warm, bool]:
+    def acquire(self, spec: CandidateSpec, *, log: Path, vocab_out: Path | None = None,
+                load_timeout_s: float | None = None,
+                on_status: Callable[[str], None] | None = None) -> tuple[WarmEngine, bool]:
+        """The warm engine of ``spec``'s configuration, started when there is none (its log to
+        ``log``, its vocabulary to ``vocab_out``); returns it and whether it was started now. A
+        reused engine writes the vocabulary to ``vocab_out`` too."""
+        status = on_status or (lambda message: None)
         key = configuration_key(spec)
+        self._refuse_recent_failure(key, spec)
         warm = self._warm.pop(key, None)
         if warm is not None:
             self._warm[key] = warm  # most recently used last: the least recently used goes first
+            if vocab_out is not None:
+                try:
+                    warm.engine.write_vocabulary(vocab_out)
+                except EngineError:
+                    pass  # a tokenizer without a vocabulary only costs the report its token texts
             return warm, False
         while len(self._warm) >= self.keep:
             oldest = next(iter(self._warm))
             self._warm.pop(oldest).engine.close()
-        progress.status(f"preparing environment for {spec.package}")
-        python, env, _ = python_for(spec, on_line=lambda line: progress.status(f"pip: {line[:100]}"))
-        progress.status(f"loading engine for '{spec.name}' ({spec.backend}, {spec.dtype})")
-        engine = EngineProcess(spec, python, log_dir / ENGINE_LOG)
+        status(f"preparing environment for {spec.package}")
+        python, env, _ = python_for(spec, on_line=lambda line: status(f"pip: {line[:100]}"))
+        status(f"loading engine for '{spec.name}' ({spec.backend}, {spec.dtype})")
+        engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
         started = time.monotonic()
         try:
-            info = dict(engine.start())
+            info = dict(engine.start(vocab_out=vocab_out))
+        except (EngineError, InputError) as exc:
+            engine.close()
+            if self.failure_ttl_s is not None and not getattr(exc, "retryable", False):
+                self._start_failures[key] = (time.monotonic(), exc)
+            raise
         except BaseException:
             engine.close()
             raise
+        self._start_failures.pop(key, None)
         self.loads += 1
-        warm = _Warm(engine, info, str(env.path) if env is not None else None,
-                     float(info.get("engine_load_s", time.monotonic() - started)))
+        warm = WarmEngine(engine, info, str(env.path) if env is not None else None,
+                          float(info.get("engine_load_s", time.monotonic() - started)))
         self._warm[key] = warm
         return warm, True
 
-    def executor(self) -> "WarmExecutor":
-        return WarmExecutor(self)
+    def _refuse_recent_failure(self, key: str, spec: CandidateSpec) -> None:
+        failed = self._start_failures.get(key)
+        if failed is None or self.failure_ttl_s is None:
+            return
+        age = time.monotonic() - failed[0]
+        if age >= self.failure_ttl_s:
+            return
+        detail = str(failed[1]).removeprefix(f"candidate '{spec.name}': ")
+        raise EngineError(f"{detail} [not started again: the same engine failed to start on this worker "
+                          f"{age:.0f} s ago; next attempt after {self.failure_ttl_s:.0f} s]",
+                          candidate=spec.name, retryable=False)
 
+    def discard(self, spec: CandidateSpec) -> None:
+        """Close and forget ``spec``'s engine (it died; the next :meth:`acquire` starts another)."""
+        warm = self._warm.pop(configuration_key(spec), None)
+        if warm is not None:
+            warm.engine.close()
 
-class WarmExecutor:
-    """An :class:`~regress.replay.Executor` that runs a plan's shards on a warm engine."""
+    def executor(self, *, max_restarts: int = 1) -> "LocalExecutor":
+        """The local executor, running on these engines (they stay warm after each run)."""
+        from regress.replay.executors import LocalExecutor
 
-    def __init__(self, engines: WarmEngines):
-        self.engines = engines
-
-    def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
-        pending = [t for t in plan.tasks if not shard_is_done(run_dir, t)]
-        if not pending:
-            return saved_execution_outcome(run_dir)
-        warm, loaded = self.engines._engine(plan.candidate, run_dir, progress)
-        engine = warm.engine
-        try:
-            engine.write_vocabulary(run_dir / VOCAB_FILE)
-        except EngineError:
-            pass  # a tokenizer without a vocabulary only costs the report its token texts
-        atomic_write_text(run_dir / ENGINE_INFO_FILE,
-                          json.dumps({"info": warm.info, "environment": warm.environment}, default=str))
-        progress.status(f"running '{plan.candidate.name}'")
-        for task in pending:
-            engine.run_shard(shard_request(task, run_dir, plan.run_id), timeout_s=self.engines.shard_timeout_s,
-                             on_progress=lambda event: progress.advance(event.phase, event.done))
-        memory = dict(engine.memory())
-        atomic_write_text(run_dir / ENGINE_INFO_FILE,
-                          json.dumps({"info": warm.info, "memory": memory, "environment": warm.environment},
-                                     default=str))
-        warm.runs += 1
-        return ExecutionOutcome(warm.info, 1 if loaded else 0, warm.load_s if loaded else 0.0, memory,
-                                warm.environment)
+        return LocalExecutor(max_restarts=max_restarts, shard_timeout_s=self.shard_timeout_s, engines=self)

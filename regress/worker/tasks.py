@@ -16,23 +16,21 @@ so an orchestrator that died and runs again can finish the run from files alone.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from regress.engine.client import EngineProcess
 from regress.engine.protocol import ProtocolError, ShardRequest, request_from_dict
-from regress.envs import python_for, regress_home
+from regress.envs import regress_home
 from regress.errors import EngineError, InputError, MessageRefused, RegressError, ShardFailed
 from regress.records import CandidateSpec
 from regress.replay import PLAN_FILE, shard_file_matches
+from regress.replay.warm import WarmEngines, configuration_digest
 from regress.runs import SHARDS_DIR, VOCAB_FILE
 from regress.storage import atomic_write_text, read_shard_meta
 from regress.worker.app import TASK_REPLAY_SHARD, app
@@ -47,82 +45,17 @@ logger = get_task_logger(__name__)
 _VISIBILITY_MARGIN = 0.9
 
 
-def engine_key(candidate: CandidateSpec) -> str:
-    """What makes two candidates share an engine: everything but the name."""
-    data = candidate.model_dump(mode="json")
-    data.pop("name", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+def _engine_log(candidate: CandidateSpec) -> Path:
+    """This worker's log of ``candidate``'s engine (one per worker process and configuration)."""
+    return (regress_home() / "logs" / f"worker-{socket.gethostname()}-{os.getpid()}"
+            / f"{candidate.name}-{configuration_digest(candidate)}.log")
 
 
-class WarmEngines:
-    """The engines this worker keeps loaded, least recently used first out.
-
-    One per candidate, up to ``capacity`` (one GPU rarely holds two engines): a worker serving
-    the shards of one candidate loads its engine once per run, not once per shard.
-    """
-
-    def __init__(self, capacity: int = 1, *, failure_ttl_s: float = 300):
-        self.capacity = max(1, capacity)
-        self.failure_ttl_s = failure_ttl_s
-        self._engines: OrderedDict[str, tuple[EngineProcess, dict[str, Any]]] = OrderedDict()
-        # Engines that failed to start for a reason that is not a crash (a bad engine argument,
-        # a missing model): later shards of the same candidate fail at once instead of paying
-        # for another doomed start each (a run of 1,000 shards would otherwise try 1,000 times).
-        self._start_failures: dict[str, tuple[float, RegressError]] = {}
-
-    def get(self, candidate: CandidateSpec, deadline: float | None) -> tuple[EngineProcess, dict[str, Any], bool]:
-        """The warm engine for ``candidate`` (loading it if needed): (engine, facts, loaded now)."""
-        key = engine_key(candidate)
-        failed = self._start_failures.get(key)
-        if failed is not None and time.monotonic() - failed[0] < self.failure_ttl_s:
-            age = time.monotonic() - failed[0]
-            detail = str(failed[1]).removeprefix(f"candidate '{candidate.name}': ")
-            raise EngineError(f"{detail} [not started again: the same engine failed to start on this worker "
-                              f"{age:.0f} s ago; next attempt after {self.failure_ttl_s:.0f} s]",
-                              candidate=candidate.name, retryable=False)
-        if key in self._engines:
-            self._engines.move_to_end(key)
-            engine, facts = self._engines[key]
-            return engine, facts, False
-        while len(self._engines) >= self.capacity:
-            _, (old, _) = self._engines.popitem(last=False)
-            old.close()
-        python, env, _ = python_for(candidate, on_line=lambda line: logger.info("pip: %s", line))
-        log = regress_home() / "logs" / f"worker-{socket.gethostname()}-{os.getpid()}" / f"{candidate.name}-{key}.log"
-        timeout = None if deadline is None else max(60.0, deadline - time.monotonic())
-        engine = EngineProcess(candidate, python, log, load_timeout_s=timeout)
-        started = time.monotonic()
-        try:
-            info = engine.start()
-        except (EngineError, InputError) as exc:
-            engine.close()
-            if not getattr(exc, "retryable", False):
-                self._start_failures[key] = (time.monotonic(), exc)
-            raise
-        except BaseException:
-            engine.close()
-            raise
-        self._start_failures.pop(key, None)
-        facts = {"info": info, "environment": str(env.path) if env is not None else None,
-                 "load_s": time.monotonic() - started}
-        self._engines[key] = (engine, facts)
-        logger.info("engine for '%s' loaded in %.1f s", candidate.name, facts["load_s"])
-        return engine, facts, True
-
-    def drop(self, candidate: CandidateSpec) -> None:
-        """Forget (and stop) the engine for ``candidate``, e.g. after it died."""
-        entry = self._engines.pop(engine_key(candidate), None)
-        if entry is not None:
-            entry[0].close()
-
-    def close(self) -> None:
-        while self._engines:
-            _, (engine, _) = self._engines.popitem()
-            engine.close()
-
-
-engines = WarmEngines(int(os.environ.get("REGRESS_WORKER_MAX_ENGINES", "1")))
-"""This worker process's warm engines (the solo pool runs every task in this process)."""
+engines = WarmEngines(keep=int(os.environ.get("REGRESS_WORKER_MAX_ENGINES", "1")), failure_ttl_s=300)
+"""This worker process's warm engines (the solo pool runs every task in this process): one per
+engine configuration, up to ``--max-engines`` (one GPU rarely holds two), so a worker serving the
+shards of one candidate loads its engine once per run, not once per shard; an engine that failed
+to start for a reason other than a crash is not tried again for 5 minutes."""
 
 
 def engine_facts_file(run_dir: Path, index: int) -> Path:
@@ -191,7 +124,12 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
     loaded_now = False
     while True:
         try:
-            engine, facts, fresh = engines.get(candidate, deadline)
+            load_timeout = None if deadline is None else max(60.0, deadline - time.monotonic())
+            warm, fresh = engines.acquire(candidate, log=_engine_log(candidate), load_timeout_s=load_timeout,
+                                          on_status=lambda message: logger.info("%s: %s", where, message))
+            if fresh:
+                logger.info("engine for '%s' loaded in %.1f s", candidate.name, warm.load_s)
+            engine = warm.engine
             loaded_now = loaded_now or fresh
             vocab = payload.get("vocab_out")
             if vocab and not Path(vocab).is_file():
@@ -202,8 +140,8 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
             engine.run_shard(request, timeout_s=remaining)
             memory = engine.memory()
             reply = {**base, "skipped": False, "engine_loaded": loaded_now,
-                     "engine_load_s": facts["load_s"] if loaded_now else 0.0,
-                     "engine_info": facts["info"], "environment": facts["environment"], "memory": memory}
+                     "engine_load_s": warm.load_s if loaded_now else 0.0,
+                     "engine_info": warm.info, "environment": warm.environment, "memory": memory}
             facts_file = engine_facts_file(run_dir, request.index)
             facts_file.parent.mkdir(exist_ok=True)
             atomic_write_text(facts_file, json.dumps(reply, default=str))
@@ -211,7 +149,7 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
         except ShardFailed:
             raise  # already says where and what; a RegressError, so it must pass the clauses below untouched
         except EngineError as exc:
-            engines.drop(candidate)
+            engines.discard(candidate)
             if deadline is not None and time.monotonic() >= deadline:
                 raise ShardFailed(f"{where}: candidate '{candidate.name}': shard {request.index} did not finish "
                                   "before the visibility timeout ran out; raise celery.visibility_timeout_s "
@@ -224,7 +162,7 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
         except InputError as exc:
             raise ShardFailed(f"{where}: {exc}") from None
         except RegressError as exc:
-            engines.drop(candidate)
+            engines.discard(candidate)
             raise ShardFailed(f"{where}: {exc}") from None
 
 
