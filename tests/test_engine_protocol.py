@@ -180,14 +180,14 @@ def test_an_engine_that_answers_garbage_is_an_engine_error(tmp_path, body, expec
 
 
 def test_a_replay_whose_engine_garbles_a_shard_reply_fails_with_an_engine_error(tmp_path, monkeypatch):
-    import regress.replay.executors
+    import regress.replay.warm
     from regress.datasets import load_prompt_set
     from regress.replay import replay
 
     python = _fake_python(tmp_path, 'reply(json.dumps({"protocol": 1, "ok": True, "op": "load", "info": INFO}))\n'
                                     'sys.stdin.readline()\n'
                                     'reply(json.dumps({"protocol": 1, "ok": True, "op": "shard", "result": {"index": 0}}))')
-    monkeypatch.setattr(regress.replay.executors, "python_for", lambda candidate, on_line=None: (python, None, False))
+    monkeypatch.setattr(regress.replay.warm, "python_for", lambda candidate, on_line=None: (python, None, False))
     (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
     with pytest.raises(EngineError) as info:
         replay(_candidate(), load_prompt_set(tmp_path / "p.jsonl"), tmp_path / "run")
