@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from regress.errors import DatasetError
+from regress.errors import DatasetError, DuplicateKeyError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
 from regress.validation import all_errors, load_yaml, yaml_key_lines
 
@@ -64,15 +64,9 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
-            raise _DuplicateKey(key)
+            raise DuplicateKeyError(key)
         seen[key] = value
     return seen
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        self.key = key
-        super().__init__(key)
 
 
 def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
@@ -124,7 +118,7 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
             continue
         try:
             data = json.loads(line, object_pairs_hook=_reject_duplicate_keys)
-        except _DuplicateKey as exc:
+        except DuplicateKeyError as exc:
             problems.append(DatasetError("key appears twice in the same object", file=path, line=number, field=exc.key))
             continue
         except json.JSONDecodeError as exc:

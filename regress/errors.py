@@ -106,6 +106,15 @@ class ConfigProblems(ConfigError):
         return str(self.args[0])
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (raised by the prompt-set reader's ``object_pairs_hook``
+    and turned into a :class:`DatasetError` naming file, line and key before it leaves the reader)."""
+
+    def __init__(self, key: str):
+        self.key = key
+        super().__init__(key)
+
+
 class DatasetError(InputError):
     """A prompt set or golden file is malformed: says which file, line and field."""
 

@@ -12,6 +12,7 @@ bisect (exit 3) with the finished checks kept: running the command again continu
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -139,11 +140,7 @@ def bisect(
         started = time.monotonic()
         sink = progress(f"{rng.package} {version} (check {state.checked + 1})") if progress else None
         try:
-            if sink is not None and hasattr(sink, "__enter__"):
-                with sink:  # type: ignore[attr-defined]
-                    result = run_check(params, spec, executor=executor, progress=sink, force=force,
-                                       source="bisect", release=(rng.package, version))
-            else:
+            with sink if hasattr(sink, "__enter__") else nullcontext():  # type: ignore[union-attr]
                 result = run_check(params, spec, executor=executor, progress=sink, force=force,
                                    source="bisect", release=(rng.package, version))
             check = _check_record(version, spec, result, params.root, time.monotonic() - started)
