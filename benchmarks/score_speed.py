@@ -115,7 +115,7 @@ def main() -> None:
                         help="share of candidate prompts identical to the golden (noise-like candidates: 0.7-0.95)")
     args = parser.parse_args()
     TEXT_WORDS, IDENTICAL_SHARE = args.words, args.identical
-    from regress.metrics.semantic import resolve_backend
+    from regress.metrics.embedder import resolve_backend
     from regress.scoring import build_metrics, score_runs
     from regress.verdict import Thresholds
 

@@ -59,7 +59,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from regress.metrics import semantic as S  # noqa: E402
+from regress.metrics import embedder as E  # noqa: E402
 
 # Prose, paraphrases, Chinese, code, numbers, very short and past-256-token texts (shared with the test).
 VARIED = json.loads((REPO / "tests" / "data" / "varied_texts.json").read_text(encoding="utf-8"))["texts"]
@@ -104,7 +104,7 @@ class Batched:
     """Tokenize (the model's tokenizer.json, same truncation), sort by length, batch, run."""
 
     def __init__(self, run: Callable[[dict[str, np.ndarray]], np.ndarray], batch_size: int = 32):
-        self.tokenizer = S.load_tokenizer(S.default_model_path())
+        self.tokenizer = E.load_tokenizer(E.default_model_path())
         self.run, self.batch_size = run, batch_size
 
     def __call__(self, texts: list[str]) -> np.ndarray:
@@ -112,7 +112,7 @@ class Batched:
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for i in range(0, len(order), self.batch_size):
             rows = order[i : i + self.batch_size]
-            out[rows] = self.run(S.token_feeds(self.tokenizer, [texts[j] for j in rows]))
+            out[rows] = self.run(E.token_feeds(self.tokenizer, [texts[j] for j in rows]))
         return out
 
 
@@ -146,9 +146,9 @@ def build_options(tmp: Path) -> tuple[dict[str, Callable[[list[str]], np.ndarray
 
     info: dict[str, Any] = {}
     opts: dict[str, Callable[[list[str]], np.ndarray]] = {}
-    opts["torch_bf16"] = S._torch_encode(None, "bfloat16", 128, "cpu")
-    opts["torch_fp32"] = S._torch_encode(None, "float32", 128, "cpu")
-    data = S.cached_onnx(S.default_model_path())
+    opts["torch_bf16"] = E._torch_encode(None, "bfloat16", 128, "cpu")
+    opts["torch_fp32"] = E._torch_encode(None, "float32", 128, "cpu")
+    data = E.cached_onnx(E.default_model_path())
     try:
         import onnxruntime  # noqa: F401  (only this benchmark uses it)
     except ImportError:
@@ -161,17 +161,17 @@ def build_options(tmp: Path) -> tuple[dict[str, Callable[[list[str]], np.ndarray
             info[f"{name}_build_s"] = round(secs, 1)
             info[f"{name}_bytes"] = len(q)
             opts[name] = (lambda s: Batched(lambda f: s.run(None, f)[0]))(ort_session(q))
-    path = S.default_model_path()
-    opts["openvino_bf16"] = S.OpenVinoEncoder(path, "bfloat16").encode
-    opts["openvino_bf16_b16"] = S.OpenVinoEncoder(path, "bfloat16", batch_size=16).encode
-    opts["openvino_bf16_b64"] = S.OpenVinoEncoder(path, "bfloat16", batch_size=64).encode
-    opts["openvino_bf16_unsorted"] = S.OpenVinoEncoder(path, "bfloat16", sort_by_length=False).encode
+    path = E.default_model_path()
+    opts["openvino_bf16"] = E.OpenVinoEncoder(path, "bfloat16").encode
+    opts["openvino_bf16_b16"] = E.OpenVinoEncoder(path, "bfloat16", batch_size=16).encode
+    opts["openvino_bf16_b64"] = E.OpenVinoEncoder(path, "bfloat16", batch_size=64).encode
+    opts["openvino_bf16_unsorted"] = E.OpenVinoEncoder(path, "bfloat16", sort_by_length=False).encode
     core = ov.Core()
     latency = core.compile_model(core.read_model(__import__("io").BytesIO(data)), "CPU",
                                  {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "bf16"})
     req = latency.create_infer_request()
     opts["openvino_bf16_latency"] = Batched(lambda f: req.infer(f)[0])
-    info["openvino_streams"] = int(S.OpenVinoEncoder(path, "bfloat16").compiled.get_property("NUM_STREAMS"))
+    info["openvino_streams"] = int(E.OpenVinoEncoder(path, "bfloat16").compiled.get_property("NUM_STREAMS"))
     return opts, info
 
 
@@ -313,12 +313,12 @@ def scoring(prompts: int, repeats: int) -> dict[str, Any]:
         results["without_semantic"] = [{"seconds": round(load.wall, 1), **load.summary()}]
         for rep in range(repeats):
             for backend in (("torch", "openvino") if rep % 2 == 0 else ("openvino", "torch")):
-                os.environ[S.BACKEND_ENV] = backend
+                os.environ[E.BACKEND_ENV] = backend
                 cache = Path(tmp) / f"cache-{backend}-{rep}"
                 timed(f"{backend}_cold", run, cache)
                 timed(f"{backend}_second_candidate_golden_cached", run2, cache)
                 timed(f"{backend}_rescore_all_cached", run, cache)
-        os.environ.pop(S.BACKEND_ENV, None)
+        os.environ.pop(E.BACKEND_ENV, None)
     return {label: {"runs": rows, "median_s": round(statistics.median(r["seconds"] for r in rows), 1)}
             for label, rows in results.items()}
 
@@ -326,7 +326,7 @@ def scoring(prompts: int, repeats: int) -> dict[str, Any]:
 def build_time() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, Load() as load:
         t0 = time.perf_counter()
-        S.cached_onnx(S.default_model_path(), tmp)
+        E.cached_onnx(E.default_model_path(), tmp)
         secs = time.perf_counter() - t0
     return {"seconds": round(secs, 1), **load.summary()}
 
@@ -342,7 +342,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # onnxruntime's quantizer advice
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    summary: dict[str, Any] = {"cpu_count": os.cpu_count(), "precision": S._precision("auto")}
+    summary: dict[str, Any] = {"cpu_count": os.cpu_count(), "precision": E._precision("auto")}
     summary["onnx_build"] = build_time()
     print("onnx build", summary["onnx_build"], flush=True)
     if not args.scoring_only:

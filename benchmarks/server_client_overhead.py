@@ -35,14 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from regress.backends.base import GenerationRequest  # noqa: E402
-from regress.backends.vllm_server import (  # noqa: E402
-    ENDPOINT,
+from regress.backends.server_process import (  # noqa: E402
     ServerProcess,
-    VllmServerBackend,
     free_port,
     server_command,
     server_environment,
 )
+from regress.backends.vllm_server import ENDPOINT, VllmServerBackend  # noqa: E402
 
 ENGINE = {"dtype": "bfloat16", "engine_args": {"enforce_eager": True, "max_model_len": 4096}}
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from regress.errors import MissingDependencyError
+from regress.metrics import embedder as E
 from regress.metrics import semantic as S
 from regress.metrics.base import Pair
 from regress.records import Generation
@@ -33,14 +34,14 @@ TEXTS = json.loads((Path(__file__).parent / "data" / "varied_texts.json").read_t
 def onnx_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One real export, shared by this module's tests (a few seconds)."""
     root = tmp_path_factory.mktemp("semantic-onnx")
-    S.cached_onnx(S.default_model_path(), root)
+    E.cached_onnx(E.default_model_path(), root)
     return root
 
 
 @pytest.fixture(scope="module")
 def torch_vectors() -> np.ndarray:
     """sentence-transformers' embeddings: the path the thresholds were calibrated on."""
-    return S._torch_encode(None, S._precision("auto"), 128, "cpu")(TEXTS)
+    return E._torch_encode(None, E._precision("auto"), 128, "cpu")(TEXTS)
 
 
 def _gen(text: str, pid: str = "p") -> Generation:
@@ -54,23 +55,23 @@ def _pairs() -> list[Pair]:
 
 
 def test_openvino_cosines_match_sentence_transformers(onnx_root: Path, torch_vectors: np.ndarray) -> None:
-    fast = S.OpenVinoEncoder(S.default_model_path(), S._precision("auto"), onnx_root).encode(TEXTS)
+    fast = E.OpenVinoEncoder(E.default_model_path(), E._precision("auto"), onnx_root).encode(TEXTS)
     assert fast.shape == torch_vectors.shape
     assert np.allclose(np.linalg.norm(fast, axis=1), 1, atol=1e-3)
     delta = np.abs(np.clip(fast @ fast.T, -1, 1) - np.clip(torch_vectors @ torch_vectors.T, -1, 1))
     assert delta.max() < 0.01, f"max |Δcosine| {delta.max():.4f}"
     # Order and batching do not matter: a text gets the same vector alone or in a mixed batch.
-    alone = S.OpenVinoEncoder(S.default_model_path(), S._precision("auto"), onnx_root, batch_size=1).encode(TEXTS[::-1])
+    alone = E.OpenVinoEncoder(E.default_model_path(), E._precision("auto"), onnx_root, batch_size=1).encode(TEXTS[::-1])
     assert np.abs((alone[::-1] * fast).sum(1) - 1).max() < 0.01
 
 
 def test_metric_takes_the_openvino_path_by_default(onnx_root: Path, torch_vectors: np.ndarray, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(S.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(E.BACKEND_ENV, raising=False)
     fn = S.semantic(cache_dir=tmp_path, onnx_cache=onnx_root)
     pairs = _pairs()
     sims = np.array([v["semantic_similarity"] for v in fn(pairs)])
-    assert fn.state["backend"] == ("cuda" if S.cuda_available() else "openvino")
+    assert fn.state["backend"] == ("cuda" if E.cuda_available() else "openvino")
     index = {t: i for i, t in enumerate(TEXTS)}
     ref = np.array([np.clip(torch_vectors[index[p.golden.text]] @ torch_vectors[index[p.candidate.text]], -1, 1) for p in pairs])
     assert np.abs(sims - ref).max() < 0.01
@@ -102,22 +103,22 @@ def test_tampered_cached_onnx_is_rebuilt_not_loaded(onnx_root: Path, tmp_path: P
     good = (folder / "model.onnx").read_bytes()
     record = json.loads((folder / "record.json").read_text())
     assert record["sha256"] == hashlib.sha256(good).hexdigest()
-    assert record["source_sha256"] == S.source_sha256(S.default_model_path())
+    assert record["source_sha256"] == E.source_sha256(E.default_model_path())
 
     exports = []
-    real_export = S.export_onnx
+    real_export = E.export_onnx
 
     def counting_export(path: str) -> bytes:
         exports.append(path)
         return real_export(path)
 
-    monkeypatch.setattr(S, "export_onnx", counting_export)
+    monkeypatch.setattr(E, "export_onnx", counting_export)
     # An intact file is loaded as it is.
-    assert S.cached_onnx(S.default_model_path(), root) == good and exports == []
+    assert E.cached_onnx(E.default_model_path(), root) == good and exports == []
 
     tampered = _tamper(folder)
     assert tampered != good
-    data = S.cached_onnx(S.default_model_path(), root)
+    data = E.cached_onnx(E.default_model_path(), root)
     assert len(exports) == 1, "the tampered file was not rebuilt"
     assert data != tampered
     assert hashlib.sha256(data).hexdigest() == json.loads((folder / "record.json").read_text())["sha256"]
@@ -130,7 +131,7 @@ def test_tampered_cached_onnx_is_rebuilt_not_loaded(onnx_root: Path, tmp_path: P
     forged = json.loads((folder / "record.json").read_text())
     forged["recipe"] = "something else"
     (folder / "record.json").write_text(json.dumps(forged))
-    S.cached_onnx(S.default_model_path(), root)
+    E.cached_onnx(E.default_model_path(), root)
     assert len(exports) == 2
 
 
@@ -140,18 +141,18 @@ def test_encoder_loads_the_verified_bytes(onnx_root: Path, tmp_path: Path, monke
     shutil.copytree(onnx_root, root)
     (folder,) = [p for p in root.iterdir() if p.is_dir()]
     _tamper(folder)
-    monkeypatch.setattr(S, "export_onnx", lambda path: (onnx_root / folder.name / "model.onnx").read_bytes())
-    enc = S.OpenVinoEncoder(S.default_model_path(), "float32", root)
-    reference = S.OpenVinoEncoder(S.default_model_path(), "float32", onnx_root)
+    monkeypatch.setattr(E, "export_onnx", lambda path: (onnx_root / folder.name / "model.onnx").read_bytes())
+    enc = E.OpenVinoEncoder(E.default_model_path(), "float32", root)
+    reference = E.OpenVinoEncoder(E.default_model_path(), "float32", onnx_root)
     assert np.abs((enc.encode(TEXTS[:6]) * reference.encode(TEXTS[:6])).sum(1) - 1).max() < 1e-4
 
 
 def test_falls_back_to_sentence_transformers_without_openvino(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv(S.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(S, "cuda_available", lambda: False)
+    monkeypatch.delenv(E.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(E, "cuda_available", lambda: False)
     monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
-    monkeypatch.setattr(S, "_notes_given", set())
+    monkeypatch.setattr(E, "_notes_given", set())
     fn = S.semantic(cache_dir=tmp_path / "emb", onnx_cache=tmp_path / "onnx")
     out = fn([Pair(_gen(TEXTS[0]), _gen(TEXTS[1])), Pair(_gen(TEXTS[0]), _gen(TEXTS[2]))])
     assert fn.state["backend"] == "torch"
@@ -161,45 +162,45 @@ def test_falls_back_to_sentence_transformers_without_openvino(monkeypatch: pytes
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "onnx").exists()  # nothing exported for nothing
     with pytest.raises(MissingDependencyError, match="openvino"):
-        S.resolve_backend("openvino", None)
+        E.resolve_backend("openvino", None)
 
 
 def test_falls_back_when_the_export_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv(S.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(S, "cuda_available", lambda: False)
-    monkeypatch.setattr(S, "_notes_given", set())
+    monkeypatch.delenv(E.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(E, "cuda_available", lambda: False)
+    monkeypatch.setattr(E, "_notes_given", set())
 
     def broken(path: str) -> bytes:
         raise RuntimeError("exporter broke")
 
-    monkeypatch.setattr(S, "export_onnx", broken)
+    monkeypatch.setattr(E, "export_onnx", broken)
     fn = S.semantic(cache_dir=tmp_path / "emb", onnx_cache=tmp_path / "onnx")
     out = fn([Pair(_gen(TEXTS[3]), _gen(TEXTS[4]))])
-    assert fn.state["backend"] == "torch" and fn.state["disk"].key.endswith(S._precision("auto"))
+    assert fn.state["backend"] == "torch" and fn.state["disk"].key.endswith(E._precision("auto"))
     assert out[0]["semantic_similarity"] > 0.7
     assert "exporter broke" in capsys.readouterr().err
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(S, "cuda_available", lambda: False)
-    monkeypatch.delenv(S.BACKEND_ENV, raising=False)
-    assert S.resolve_backend("auto", None) == ("openvino", None)
-    assert S.resolve_backend("torch", None) == ("torch", None)
-    monkeypatch.setenv(S.BACKEND_ENV, "torch")
-    assert S.resolve_backend("auto", None) == ("torch", None)
-    monkeypatch.setattr(S, "cuda_available", lambda: True)
-    monkeypatch.delenv(S.BACKEND_ENV)
-    assert S.resolve_backend("auto", None) == ("cuda", None)  # a GPU: sentence-transformers on it
-    monkeypatch.setattr(S, "cuda_available", lambda: False)
+    monkeypatch.setattr(E, "cuda_available", lambda: False)
+    monkeypatch.delenv(E.BACKEND_ENV, raising=False)
+    assert E.resolve_backend("auto", None) == ("openvino", None)
+    assert E.resolve_backend("torch", None) == ("torch", None)
+    monkeypatch.setenv(E.BACKEND_ENV, "torch")
+    assert E.resolve_backend("auto", None) == ("torch", None)
+    monkeypatch.setattr(E, "cuda_available", lambda: True)
+    monkeypatch.delenv(E.BACKEND_ENV)
+    assert E.resolve_backend("auto", None) == ("cuda", None)  # a GPU: sentence-transformers on it
+    monkeypatch.setattr(E, "cuda_available", lambda: False)
     # A model the export recipe does not cover goes to sentence-transformers, with the reason.
     model = tmp_path / "cls-model"
-    shutil.copytree(S.default_model_path(), model, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(E.default_model_path(), model, ignore=shutil.ignore_patterns("*.safetensors"))
     (model / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 384, "pooling_mode_cls_token": True}))
-    kind, note = S.resolve_backend("auto", str(model))
+    kind, note = E.resolve_backend("auto", str(model))
     assert kind == "torch" and "pooling" in note
-    assert S.onnx_unsupported_reason(str(tmp_path / "missing")) is not None
-    assert S.onnx_unsupported_reason(S.default_model_path()) is None
+    assert E.onnx_unsupported_reason(str(tmp_path / "missing")) is not None
+    assert E.onnx_unsupported_reason(E.default_model_path()) is None
 
 
 def test_importing_regress_stays_light() -> None:

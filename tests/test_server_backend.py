@@ -53,7 +53,8 @@ def test_chat_endpoint_payload_and_rows():
     """``endpoint: chat``: a chat prompt goes out as messages for the server to render (token ids and
     logprobs asked back), a plain prompt as token ids; chat logprob rows are read from token ids."""
     from regress.backends.base import GenerationRequest
-    from regress.backends.vllm_server import CHAT_ENDPOINT, VllmServerBackend, chat_rows
+    from regress.backends.server_wire import chat_rows
+    from regress.backends.vllm_server import CHAT_ENDPOINT, VllmServerBackend
     from regress.records import CandidateSpec, ResolvedSampling
 
     spec = CandidateSpec(name="s", model="m", backend="server", server={"endpoint": "chat"})
@@ -95,7 +96,7 @@ def test_chat_endpoint_payload_and_rows():
 
 
 def test_engine_args_become_flags():
-    from regress.backends.vllm_server import engine_arg_flags, server_command
+    from regress.backends.server_process import engine_arg_flags, server_command
 
     flags = engine_arg_flags({"enforce_eager": True, "max_model_len": 4096, "enable_prefix_caching": False,
                               "compilation_config": {"mode": 0}, "seed": None},
@@ -111,7 +112,7 @@ def test_engine_args_become_flags():
 
 
 def test_top_logprobs_rows_put_the_chosen_token_at_its_rank():
-    from regress.backends.vllm_server import _rows, _top_row, prompt_rows
+    from regress.backends.server_wire import _rows, _top_row, prompt_rows
 
     # The chosen token outside the top-k: listed first, then the top-k in rank order.
     assert _top_row(7, {"token_id:7": -3.0, "token_id:1": -0.5, "token_id:2": -1.0}, 2) == (-3.0, [1, 2], [-0.5, -1.0])
@@ -160,7 +161,7 @@ def test_diff_files_server_settings():
 
 def _start_server(model: Path, log: Path, *extra: str):
     """vLLM's server from the current environment with the golden's engine settings."""
-    from regress.backends.vllm_server import ServerProcess, free_port, server_command, server_environment
+    from regress.backends.server_process import ServerProcess, free_port, server_command, server_environment
 
     port = free_port()
     spec = {"model": str(model), "dtype": ENGINE_BASE["dtype"], "engine_args": ENGINE_BASE["engine_args"]}
@@ -343,7 +344,7 @@ def test_pre_run_input_errors(tmp_path, fixture_model, mode, key, expected):
 
 
 def test_unreachable_url_is_a_run_error(tmp_path, fixture_model):
-    from regress.backends.vllm_server import free_port
+    from regress.backends.server_process import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     workspace = _error_workspace(tmp_path, fixture_model, {"url": url})
@@ -355,7 +356,7 @@ def test_unreachable_url_is_a_run_error(tmp_path, fixture_model):
 def test_streamed_rows_vectorized_equal_row_by_row():
     import random
 
-    from regress.backends.vllm_server import _rows, _top_row, stream_rows
+    from regress.backends.server_wire import _rows, _top_row, stream_rows
 
     rng, k = random.Random(0), 4
     tokens, tops = [], []
@@ -390,7 +391,7 @@ class _Relay:
         import socket
         import threading
 
-        from regress.backends.vllm_server import free_port
+        from regress.backends.server_process import free_port
 
         self.target_port = target_port
         self.port = port or free_port()

