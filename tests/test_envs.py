@@ -405,7 +405,7 @@ def test_a_tampered_layer_pth_is_refused(candidate_envs, tmp_path, offline_pip, 
 def test_a_rebuilt_base_refuses_its_layers(tmp_path, offline_pip, monkeypatch):
     """A tiny base of hand-written wheels (not vLLM): this test rebuilds it. ensure_env's probe
     ``import numpy, transformers`` cannot pass in such a base, so this test alone skips that probe."""
-    from regress import envs
+    from regress.envs import build as envs  # ensure_env looks _probe up in regress.envs.build
     from wheels import build_wheel
 
     real_probe = envs._probe

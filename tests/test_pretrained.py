@@ -96,7 +96,7 @@ def test_unknown_model_name_lists_the_known_ones(tmp_path):
 def test_a_tampered_cache_file_is_not_used(real_model, tmp_path, monkeypatch):
     """The shared cache is not trusted: a file whose hash changed is fetched again."""
     from regress import pretrained
-    from regress.envs import regress_home
+    from regress.home import regress_home
 
     real_file = regress_home() / "models" / f"{SMOLLM2.sha256}.gguf"  # cached by the real_model build
     home = tmp_path / "home"

