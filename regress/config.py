@@ -105,7 +105,7 @@ class _ParamsFile(BaseModel):
     celery: CelerySettings = Field(default_factory=CelerySettings)
     """Broker settings for the Celery executor and ``regress worker`` (REGRESS_* variables win)."""
     watch: dict[str, Any] = Field(default_factory=dict)
-    """Release watcher settings (validated by regress.watch.config)."""
+    """Release watcher settings (schema: regress.watch.settings)."""
     noise: NoiseSettings | None = None
     """Opt-in noise arms that measure the baseline's own floor (regress.noise)."""
     diagnose: DiagnoseSettings | None = None
@@ -305,7 +305,7 @@ def _section_problems(raw: dict[str, Any], path: Path, lines: dict[str, int]) ->
     """Problems of the sections other modules define (``thresholds``, ``watch``), found now
     rather than when scoring or the watcher starts, each with its line."""
     from regress.verdict import Thresholds
-    from regress.watch.config import WatchSettings
+    from regress.watch.settings import WatchSettings
 
     problems: list[ConfigError] = []
     thresholds = raw.get("thresholds")

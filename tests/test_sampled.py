@@ -18,7 +18,8 @@ from conftest import run_cli
 from regress.datasets import check_prompt_set, load_prompt_set
 from regress.errors import ConfigError
 from regress.metrics.base import Pair
-from regress.metrics.sampled import group_values, prompt_units, sampled_class
+from regress.metrics.sampled import group_values
+from regress.metrics.sampled_policy import prompt_units, sampled_class
 from regress.records import CandidateSpec, Generation, LogprobTrack, ResolvedSampling
 from regress.replay.plan import plan_entries, sample_id, sample_seed
 from regress.verdict import Thresholds
@@ -222,6 +223,7 @@ def test_sampled_candidates_are_judged_as_distributions(sampled_workspace: Path,
                                                         code: int) -> None:
     from regress.checks import run_check
     from regress.config import load_params
+    from regress.replay.executors import LocalExecutor
     from regress.runs import load_run
     from regress.scoring import read_scored_run
 
@@ -231,7 +233,7 @@ def test_sampled_candidates_are_judged_as_distributions(sampled_workspace: Path,
     # its exit code is gating_failed, checked here).
     by_golden = candidate == "reseeded"
     p = load_params(sampled_workspace / "params.yaml")
-    result = run_check(p, p.candidate(candidate), executor=warm_engines.executor(), golden_scoring=by_golden)
+    result = run_check(p, p.candidate(candidate), executor=LocalExecutor.on(warm_engines), golden_scoring=by_golden)
     assert (1 if result.gating_failed else 0) == code, result.scored.report.verdict_reasons
     golden = load_run(sampled_workspace / "golden")
     assert len(golden.prompt_ids) == 80 and golden.prompt_ids[:2] == ["s-00#0", "s-00#1"]

@@ -674,7 +674,7 @@ def test_importing_the_command_does_not_import_celery():
 
 
 def test_inside_github_actions_the_github_trigger_dispatches_to_this_repository():
-    from regress.watch.config import GitHubSettings
+    from regress.watch.settings import GitHubSettings
     from regress.watch.triggers import GitHubTrigger
 
     trigger = GitHubTrigger.from_environment(GitHubSettings(), environ={"GITHUB_REPOSITORY": "acme/llm-serving",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from regress.diagnosis.record import Cause, Side
+from regress.diagnosis.settings import AUTO, KNOWN, REVERT_GROUPS
 from regress.effective import MITIGATION, Difference, differences
 from regress.records import CandidateSpec
 
@@ -133,6 +134,9 @@ GROUPS: tuple[Group, ...] = (
           file_sources=("model",), file_names=("weights", "config."), extra=_revert_model),
     Group("engine", "engine", "engine package", fields=("package", "requirements", "backend")),
 )
+# The probe names (regress.diagnosis.settings.KNOWN) are listed where params.yaml is validated,
+# which must not import this table: its group names are the same, in the same order.
+assert tuple(g.name for g in GROUPS) == REVERT_GROUPS, "GROUPS and diagnosis.settings.REVERT_GROUPS differ"
 _NAMED_ARGS = {a for g in GROUPS for a in g.engine_args}
 _NAMED_ENV = {e for g in GROUPS for e in g.env}
 
@@ -191,14 +195,6 @@ def reverted(group: Group, baseline: CandidateSpec, candidate: CandidateSpec) ->
 # The probes
 # --------------------------------------------------------------------------------------
 
-AUTO = ("reference", "control", "rerun", "alone", "revert", "float32", "prefix-caching-off",
-        "chunked-prefill-off", "concurrency")
-"""What ``probes: auto`` runs (``revert`` stands for every revert that applies; ``concurrency``
-only for a candidate served over HTTP)."""
-OPT_IN = ("eager", "batch-invariant")
-"""Probes run only when asked for: ``eager`` flips the candidate's compile mode (torch.compile
-starts in about a minute on CPUs), ``batch-invariant`` needs an engine that supports it."""
-KNOWN = (*AUTO, *OPT_IN, *(f"revert-{g.name}" for g in GROUPS))
 
 
 def _renamed(spec: CandidateSpec, suffix: str, **update: Any) -> CandidateSpec:

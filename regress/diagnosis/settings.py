@@ -15,6 +15,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+REVERT_GROUPS = ("input", "input-defaults", "kv-cache", "dtype", "compile", "scheduling", "sampling", "model",
+                 "engine")
+"""The setting groups a ``revert-<group>`` probe puts back, in order (what each holds:
+regress.diagnosis.probes.GROUPS)."""
+AUTO = ("reference", "control", "rerun", "alone", "revert", "float32", "prefix-caching-off",
+        "chunked-prefill-off", "concurrency")
+"""What ``probes: auto`` runs (``revert`` stands for every revert that applies; ``concurrency``
+only for a candidate served over HTTP)."""
+OPT_IN = ("eager", "batch-invariant")
+"""Probes run only when asked for: ``eager`` flips the candidate's compile mode (torch.compile
+starts in about a minute on CPUs), ``batch-invariant`` needs an engine that supports it."""
+KNOWN = (*AUTO, *OPT_IN, *(f"revert-{name}" for name in REVERT_GROUPS))
+"""Every probe name ``probes:`` (and ``regress diagnose --probes``) accepts."""
+
 
 class DiagnoseSettings(BaseModel):
     """The ``diagnose:`` section."""
@@ -38,10 +52,6 @@ class DiagnoseSettings(BaseModel):
     @field_validator("probes")
     @classmethod
     def _known(cls, value: list[str] | None) -> list[str] | None:
-        from regress.diagnosis.probes import KNOWN
-
-        from regress.diagnosis.probes import KNOWN
-
         for name in value or []:
             if name not in KNOWN:
                 raise ValueError(f"unknown probe '{name}'; known: {', '.join(KNOWN)}")

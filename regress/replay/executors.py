@@ -77,6 +77,11 @@ class LocalExecutor:
         self.shard_timeout_s = shard_timeout_s
         self.engines = engines
 
+    @classmethod
+    def on(cls, engines: "WarmEngines", *, max_restarts: int = 1) -> "LocalExecutor":
+        """The local executor, running on ``engines`` (they stay warm after each run)."""
+        return cls(max_restarts=max_restarts, shard_timeout_s=engines.shard_timeout_s, engines=engines)
+
     def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
         from regress.replay.warm import WarmEngines
 

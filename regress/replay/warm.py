@@ -4,9 +4,9 @@ Several runs of one configuration (a diagnosis runs the candidate batched togeth
 again; candidates that differ only in sampling run on the baseline's engine) would otherwise
 cost an engine start each; a plain local run starts one and closes it when the run ends.
 :class:`WarmEngines` keeps one engine process per configuration (what the engine process is
-started with) while its user runs, and :meth:`WarmEngines.executor` hands out the local executor
-(:class:`regress.replay.executors.LocalExecutor`) running on it: the same shard loop, engine
-restarts included. At most ``keep`` engines stay alive (the least recently used is closed
+started with) while its user runs, and the local executor runs on it
+(:meth:`regress.replay.executors.LocalExecutor.on`): the same shard loop, engine restarts
+included. At most ``keep`` engines stay alive (the least recently used is closed
 first), so memory stays bounded; the diagnosis orders its runs so that each configuration's runs
 come together. A caller that diagnoses several candidates (or replays one and then diagnoses
 it) can pass one :class:`WarmEngines` to all of them.
@@ -24,16 +24,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from regress.engine.client import EngineProcess
 from regress.engine.protocol import EngineInfo
 from regress.envs import python_for
 from regress.errors import EngineError, InputError, RegressError
 from regress.records import CandidateSpec
-
-if TYPE_CHECKING:
-    from regress.replay.executors import LocalExecutor
 
 
 def configuration_key(spec: CandidateSpec) -> str:
@@ -145,9 +142,3 @@ class WarmEngines:
         warm = self._warm.pop(configuration_key(spec), None)
         if warm is not None:
             warm.engine.close()
-
-    def executor(self, *, max_restarts: int = 1) -> "LocalExecutor":
-        """The local executor, running on these engines (they stay warm after each run)."""
-        from regress.replay.executors import LocalExecutor
-
-        return LocalExecutor(max_restarts=max_restarts, shard_timeout_s=self.shard_timeout_s, engines=self)

@@ -9,7 +9,8 @@ regression checks, one per version.
     notify.py    the webhook on a regression
     watcher.py   one tick: fetch, filter, diff against the state, claim, trigger, record
     tasks.py     the Celery tick and check tasks and the beat schedule
-    config.py    the ``watch:`` section of params.yaml
+    settings.py  the schema of the ``watch:`` section of params.yaml
+    config.py    that section with the environment's secrets and command-line options on top
     cli.py       the ``regress watch`` command
 
 Nothing here imports Celery unless the celery trigger, a task or beat is used.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils.log import get_task_logger
 
 from regress.errors import CheckFailed, MessageRefused, RegressError
-from regress.worker.app import app
+from regress.worker.app import TASK_CHECK, TASK_TICK, app
 
 if TYPE_CHECKING:
     from regress.watch.config import WatchConfig
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
 logger = get_task_logger(__name__)
 
-TASK_TICK = "regress.watch.tick"
-TASK_CHECK = "regress.watch.check_release"
 BEAT_ENTRY = "regress-watch-tick"
 PARAMS_VARIABLE = "REGRESS_WATCH_PARAMS"
 MESSAGE_OVERRIDES = frozenset({"interval_s", "since", "include_prereleases", "include_yanked", "first_run"})

@@ -192,8 +192,7 @@ class CeleryTrigger(Trigger):
         self.queue = queue or self.settings.queue
 
     def start(self, request: CheckRequest) -> TriggerOutcome:
-        from regress.watch.tasks import TASK_CHECK
-        from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, sending_app
+        from regress.worker.app import BROKER_CONNECTION_ERRORS, TASK_CHECK, ensure_broker, sending_app
 
         app = sending_app(self.settings)  # signs what it sends; no key is a ConfigError
         task_id = f"regress-watch-{request.candidate}-{uuid.uuid4().hex[:12]}"

@@ -39,6 +39,10 @@ from regress.worker.settings import CelerySettings, check_worker_security
 
 TASK_REPLAY_SHARD = "regress.replay_shard"
 """Run one shard of a replay plan (regress.worker.tasks)."""
+TASK_TICK = "regress.watch.tick"
+"""One tick of the release watcher (regress.watch.tasks)."""
+TASK_CHECK = "regress.watch.check_release"
+"""Check one new release (regress.watch.tasks; the celery trigger sends it)."""
 
 TASK_MODULES = ["regress.worker.tasks", "regress.watch.tasks"]
 
