@@ -372,65 +372,61 @@ def build_fixture_model(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
-    import shutil
-    import tempfile
-
     import torch
+
+    from regress.storage import building
 
     t0, c0 = time.perf_counter(), time.process_time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
 
     prev_threads = torch.get_num_threads()
     prev_det = torch.are_deterministic_algorithms_enabled()
     prev_det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     prev_fill = torch.utils.deterministic.fill_uninitialized_memory
-    try:
-        torch.set_num_threads(1)
-        torch.use_deterministic_algorithms(True)
-        # Filling every torch.empty with NaN (on by default in deterministic mode) only
-        # costs time here: no kernel of this model reads uninitialised memory.
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        with torch.random.fork_rng(devices=[]):
-            tokenizer = _train_tokenizer()
-            t_tok = time.perf_counter()
-            text = corpus_text()
-            token_ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-            model, final_loss = _train_model(token_ids, steps=steps, seed=seed)
-            t_train = time.perf_counter()
-            _save_model(model, staging)
-            tokenizer.save_pretrained(staging)
-            _make_tokenizer_config_portable(staging)
+    # A staging directory of its own beside out; its files are moved into out when the build
+    # succeeds (other files in out stay), and it is removed whatever happens.
+    with building(out, unique=True, merge=True) as staging:
+        try:
+            torch.set_num_threads(1)
+            torch.use_deterministic_algorithms(True)
+            # Filling every torch.empty with NaN (on by default in deterministic mode) only
+            # costs time here: no kernel of this model reads uninitialised memory.
+            torch.utils.deterministic.fill_uninitialized_memory = False
+            with torch.random.fork_rng(devices=[]):
+                tokenizer = _train_tokenizer()
+                t_tok = time.perf_counter()
+                text = corpus_text()
+                token_ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+                model, final_loss = _train_model(token_ids, steps=steps, seed=seed)
+                t_train = time.perf_counter()
+                _save_model(model, staging)
+                tokenizer.save_pretrained(staging)
+                _make_tokenizer_config_portable(staging)
 
-        fixture_info = {
-            "format": FIXTURE_FORMAT,
-            "steps": steps,
-            "seed": seed,
-            "corpus_sha256": corpus_sha256(),
-            "corpus_files": [name for name, _ in corpus_documents()],
-            "corpus_tokens": len(token_ids),
-            "vocab_size": VOCAB_SIZE,
-            "special_tokens": list(SPECIAL_TOKENS),
-            "bos_token": None,
-            "chat_template": "chatml",
-            "architecture": dict(sorted(MODEL_ARCH.items())),
-            "training": dict(sorted(TRAINING.items())),
-        }
-        (staging / "fixture.json").write_text(
-            json.dumps(fixture_info, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-            encoding="utf-8",
-        )
-        files = hash_files(staging)
-        for name in files:
-            target = out / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / name, target)
-    finally:
-        torch.set_num_threads(prev_threads)
-        torch.use_deterministic_algorithms(prev_det, warn_only=prev_det_warn)
-        torch.utils.deterministic.fill_uninitialized_memory = prev_fill
-        shutil.rmtree(staging, ignore_errors=True)
+            fixture_info = {
+                "format": FIXTURE_FORMAT,
+                "steps": steps,
+                "seed": seed,
+                "corpus_sha256": corpus_sha256(),
+                "corpus_files": [name for name, _ in corpus_documents()],
+                "corpus_tokens": len(token_ids),
+                "vocab_size": VOCAB_SIZE,
+                "special_tokens": list(SPECIAL_TOKENS),
+                "bos_token": None,
+                "chat_template": "chatml",
+                "architecture": dict(sorted(MODEL_ARCH.items())),
+                "training": dict(sorted(TRAINING.items())),
+            }
+            (staging / "fixture.json").write_text(
+                json.dumps(fixture_info, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                encoding="utf-8",
+            )
+            files = hash_files(staging)
+        finally:
+            torch.set_num_threads(prev_threads)
+            torch.use_deterministic_algorithms(prev_det, warn_only=prev_det_warn)
+            torch.utils.deterministic.fill_uninitialized_memory = prev_fill
 
     t_end = time.perf_counter()
     stats = {

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from regress.errors import ConfigError, MissingDependencyError
+from regress.storage import building
 
 
 def perturb_layer(src: str | Path, dst: str | Path, *, layer: int = 1, scale: float = 0.5, seed: int = 0) -> dict:
@@ -87,15 +88,10 @@ def _write_variant(src: Path, dst: Path, tensors: dict, change: dict) -> dict:
     renamed into place), and what changed as ``dst/perturbation.json``; returns that record."""
     from safetensors.torch import save_file
 
-    partial = dst.with_name(dst.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"))
-    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    info = {"source": str(src), **change}
-    (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-    if dst.exists():
-        shutil.rmtree(dst)
-    partial.rename(dst)
+    with building(dst) as partial:  # replaces an existing dst, as a rebuilt variant should
+        shutil.copytree(src, partial, ignore=shutil.ignore_patterns("model.safetensors", ".*"), dirs_exist_ok=True)
+        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        info = {"source": str(src), **change}
+        (partial / "perturbation.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info
 

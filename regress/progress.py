@@ -24,6 +24,13 @@ def print_error(message: str) -> None:
     never with emoji codes replaced (a Redis key ``regress:watch:...`` must not become a watch)."""
     stderr_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False, emoji=False)
 
+
+def warn(message: str) -> None:
+    """``warning: message`` on stderr, shown like :func:`print_error`: something the user should
+    know that did not stop the command."""
+    stderr_console.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True, highlight=False, emoji=False)
+
+
 _PHASE_LABELS = {"generate": "generating", "teacher_force": "teacher forcing"}
 
 

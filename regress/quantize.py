@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Callable
 import regress
 from regress.envs import EnvSpec, ensure_env
 from regress.errors import ConfigError, RunError
+from regress.storage import building
 
 # On machines where pip finds the CPU build of torch for this version (a local wheel directory
 # or PyTorch's CPU index), the pin keeps the environment at ~1.5 GB instead of a CUDA torch.
@@ -57,30 +57,25 @@ def quantize_model(
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model}: not a model directory (no config.json)", field="model")
     env, _ = ensure_env(quantizer, candidate=f"quantizer {quantizer.describe()}", on_line=on_line)
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    with tempfile.TemporaryDirectory(prefix="regress-quantize-") as tmp:
-        shim = Path(tmp) / "shim"
-        shim.mkdir()
-        os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
-        calibration = Path(tmp) / "calibration.json"
-        calibration.write_text(json.dumps(calibration_texts()), encoding="utf-8")
-        env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out", str(partial.resolve()),
-               "--scheme", scheme, "--calibration", str(calibration)]
-        if group_size is not None:
-            cmd += ["--group-size", str(group_size)]
-        result = subprocess.run(cmd, cwd=tmp, env=env_vars, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
-        shutil.rmtree(partial, ignore_errors=True)
-        raise RunError(f"quantizing {model} with {scheme} failed (exit {result.returncode}):\n{tail}")
-    (partial / "quantization.json").write_text(
-        json.dumps({"source": str(model), "scheme": scheme, "group_size": group_size,
-                    "quantizer": quantizer.describe()}, indent=2))
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    # Built in out.partial (a stale one removed first), renamed over an existing out when done.
+    with building(out) as partial:
+        with tempfile.TemporaryDirectory(prefix="regress-quantize-") as tmp:
+            shim = Path(tmp) / "shim"
+            shim.mkdir()
+            os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
+            calibration = Path(tmp) / "calibration.json"
+            calibration.write_text(json.dumps(calibration_texts()), encoding="utf-8")
+            env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+            env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+            cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out",
+                   str(partial.resolve()), "--scheme", scheme, "--calibration", str(calibration)]
+            if group_size is not None:
+                cmd += ["--group-size", str(group_size)]
+            result = subprocess.run(cmd, cwd=tmp, env=env_vars, capture_output=True, text=True)
+        if result.returncode != 0:
+            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-12:])
+            raise RunError(f"quantizing {model} with {scheme} failed (exit {result.returncode}):\n{tail}")
+        (partial / "quantization.json").write_text(
+            json.dumps({"source": str(model), "scheme": scheme, "group_size": group_size,
+                        "quantizer": quantizer.describe()}, indent=2))
     return out

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from pydantic import ValidationError
 
 from regress.errors import IntegrityError, StorageError
 from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest, ShardFile
-from regress.storage import atomic_write_text, decode_shard, read_shard_meta, sha256_file
+from regress.storage import (atomic_write_text, decode_shard, partial_path, read_record, read_shard_meta,
+                             sha256_file)
 
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
@@ -152,23 +152,21 @@ def read_manifest(run_dir: str | Path) -> RunManifest:
     run_dir = Path(run_dir)
     path = run_dir / MANIFEST
     if not path.is_file():
-        partial = run_dir.with_name(run_dir.name + ".partial")
+        partial = partial_path(run_dir)
         hint = f" (an unfinished run is in {partial}; run the command again to resume it)" if partial.exists() else ""
         if run_dir.with_name(f".{run_dir.name}.old").exists():
             hint = " (a run was being replaced when its process died; run the command again to recover it)"
         raise StorageError(f"{run_dir}: not a complete run, {MANIFEST} is missing{hint}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-        raise StorageError(f"{path}: unreadable manifest: {exc}") from exc
-    version = data.get("format_version") if isinstance(data, dict) else None
-    if version != FORMAT_VERSION:
-        raise StorageError(f"{path}: format version {version!r}, this regress reads {FORMAT_VERSION}")
-    try:
-        return RunManifest.model_validate(data)
-    except ValidationError as exc:
-        raise StorageError(f"{path}: invalid manifest: {exc.errors()[0]['msg']} at "
-                           f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from exc
+
+    def check(data: Any) -> None:
+        version = data.get("format_version") if isinstance(data, dict) else None
+        if version != FORMAT_VERSION:
+            raise StorageError(f"{path}: format version {version!r}, this regress reads {FORMAT_VERSION}")
+
+    return read_record(path, RunManifest, what="a run manifest", check=check,
+                       unreadable=lambda exc: f"unreadable manifest: {exc}",
+                       invalid=lambda exc: f"invalid manifest: {exc.errors()[0]['msg']} at "
+                                           f"{'.'.join(map(str, exc.errors()[0]['loc']))}")
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Columnar shard files and atomic writes.
+"""Columnar shard files, atomic writes, stored records read back, directories built aside.
 
 This module runs on both sides of the engine boundary: in regress's own environment and
 inside candidate environments (which hold vLLM, not regress's dependencies). So it imports
-only the standard library and numpy.
+only the standard library and numpy (:func:`read_record` imports regress's error class when
+it runs, and takes the pydantic model from its caller).
 
 A shard file is a zip archive with ``meta.json`` and one entry per array. Ragged per-prompt
 sequences are flattened and indexed by offsets, so 10,000 prompts become a handful of arrays
@@ -18,13 +19,20 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 import zipfile
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    _Record = TypeVar("_Record", bound=BaseModel)
 
 SHARD_FORMAT_VERSION = 1
 _META = "meta.json"
@@ -104,6 +112,121 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """UTF-8 text version of :func:`atomic_write_bytes`."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class _Default:
+    """A parameter left out (None means something else there)."""
+
+
+_DEFAULT: Any = _Default()
+_RAISE: Any = _Default()
+
+
+def read_record(
+    path: str | os.PathLike,
+    model: "type[_Record]",
+    *,
+    what: str,
+    missing: Any = _RAISE,
+    missing_hint: str = "",
+    unreadable: Callable[[BaseException], str] | None = _DEFAULT,
+    invalid: Callable[[ValueError], str] = _DEFAULT,
+    check: Callable[[Any], None] | None = None,
+    loads: bool = False,
+    error: Callable[[str], BaseException] | None = None,
+) -> "_Record":
+    """The JSON record in file ``path``, validated as ``model`` (a pydantic model class).
+
+    Every failure is ``error`` (by default :class:`~regress.errors.StorageError`) with the
+    message ``"<path>: <what the builder says>"``, the original exception chained:
+
+    - no file: ``missing`` is returned when given (None, or a default record); without it,
+      ``"no such file"`` + ``missing_hint`` is raised;
+    - a file that cannot be read (OSError, not UTF-8; with ``loads``, not JSON either):
+      ``unreadable(exc)``, by default ``"cannot read <what> (<exc>)"``; ``None`` lets the
+      exception through unchanged;
+    - a record the model refuses (without ``loads``, a file that is not JSON too):
+      ``invalid(exc)``, by default ``"not <what>: <pydantic's first message>"``.
+
+    ``loads`` parses with :func:`json.loads` and validates the data, rather than with the
+    model's own JSON parser; ``check`` (implies ``loads``) sees the data first and raises
+    its own error (a format version this regress does not read).
+    """
+    if error is None:
+        from regress.errors import StorageError as error
+    path = Path(path)
+    if unreadable is _DEFAULT:
+        unreadable = lambda exc: f"cannot read {what} ({exc})"  # noqa: E731
+    if invalid is _DEFAULT:
+        invalid = lambda exc: f"not {what}: {_first_message(exc)}"  # noqa: E731
+    loads = loads or check is not None
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if loads else None
+    except FileNotFoundError as exc:
+        if missing is _RAISE:
+            raise error(f"{path}: no such file{missing_hint}") from exc
+        return missing
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or (with loads) not JSON
+        if unreadable is None:
+            raise
+        raise error(f"{path}: {unreadable(exc)}") from exc
+    if check is not None:
+        check(data)
+    try:
+        return model.model_validate(data) if loads else model.model_validate_json(text)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise error(f"{path}: {invalid(exc)}") from exc
+
+
+def _first_message(exc: ValueError) -> str:
+    """The first problem pydantic names in ``exc`` (the whole message of another ValueError)."""
+    errors = getattr(exc, "errors", None)
+    return errors()[0]["msg"] if callable(errors) else str(exc)
+
+
+def partial_path(dest: str | os.PathLike) -> Path:
+    """``<dest>.partial``: where ``dest`` is built until it is complete (beside it, so that
+    the final rename stays on one filesystem)."""
+    dest = Path(dest)
+    return dest.with_name(dest.name + ".partial")
+
+
+@contextmanager
+def building(dest: str | os.PathLike, *, unique: bool = False, merge: bool = False) -> Iterator[Path]:
+    """Build the directory ``dest`` aside; it appears whole, or not at all.
+
+    Yields the build directory, created and empty: :func:`partial_path` (a stale one, left by
+    an interrupted build, removed first) or, with ``unique``, a fresh hidden
+    ``.<dest>.building-XXXX`` beside ``dest`` (two builds of one ``dest`` at once do not
+    share it). When the block ends normally it is renamed to ``dest``, an existing ``dest``
+    removed first; with ``merge``, its files are moved into ``dest`` one by one instead (files
+    of the same names replaced, other files of ``dest`` left alone). When the block raises
+    (Ctrl-C too), the build directory is removed and ``dest`` is left as it was.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if unique:
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.building-", dir=dest.parent))
+    else:
+        work = partial_path(dest)
+        if work.exists():
+            shutil.rmtree(work)
+        work.mkdir()
+    try:
+        yield work
+        if merge:
+            for path in sorted(p for p in work.rglob("*") if p.is_file()):
+                target = dest / path.relative_to(work)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+        else:
+            if dest.exists():
+                shutil.rmtree(dest)
+            work.rename(dest)
+            fsync_dir(dest.parent)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _shuffle4(raw: bytes) -> bytes:

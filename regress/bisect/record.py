@@ -8,17 +8,16 @@ flipped prompts, and the answer once there is one.
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from regress.errors import StorageError
 from regress.records import _Record
-from regress.storage import atomic_write_text
+from regress.storage import atomic_write_text, read_record
 
 BISECT_FORMAT = 1
 """Version of the bisect state file."""
@@ -100,19 +99,19 @@ def load_state(path: Path) -> BisectState | None:
     format is an error naming it (delete it, or run with --restart)."""
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StorageError(f"{path}: not a bisect state ({exc}); delete it or run with --restart") from exc
-    if isinstance(data, dict) and data.get("format_version") != BISECT_FORMAT:
-        raise StorageError(f"{path}: bisect state format {data.get('format_version')!r}, this regress reads "
-                           f"{BISECT_FORMAT}; run with --restart")
-    try:
-        return BisectState.model_validate(data)
-    except ValidationError as exc:
+
+    def check(data: Any) -> None:
+        if isinstance(data, dict) and data.get("format_version") != BISECT_FORMAT:
+            raise StorageError(f"{path}: bisect state format {data.get('format_version')!r}, this regress reads "
+                               f"{BISECT_FORMAT}; run with --restart")
+
+    def invalid(exc: Any) -> str:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise StorageError(f"{path}: field '{where}': {first['msg']}; delete it or run with --restart") from exc
+        return f"field '{where}': {first['msg']}; delete it or run with --restart"
+
+    return read_record(path, BisectState, what="a bisect state", missing=None, check=check, invalid=invalid,
+                       unreadable=lambda exc: f"not a bisect state ({exc}); delete it or run with --restart")
 
 
 def save_state(path: Path, state: BisectState) -> None:

@@ -114,17 +114,18 @@ class Diagnosis(_Record):
 def load_diagnosis(scores_dir: "str | Path", run_id: str | None = None) -> Diagnosis | None:
     """``diagnosis.json`` of a candidate's scores directory, or None when there is none, it cannot
     be read, or it was made for another run than ``run_id`` (a stale diagnosis is never shown)."""
-    import json
     import logging
+
+    from regress.errors import StorageError
+    from regress.storage import read_record
 
     path = Path(scores_dir) / DIAGNOSIS_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        diagnosis = Diagnosis.model_validate(data)
-    except FileNotFoundError:
+        diagnosis = read_record(path, Diagnosis, what="a diagnosis", missing=None, loads=True)
+    except StorageError as exc:  # the reason is the exception it chains, as json or pydantic said it
+        logging.getLogger(__name__).warning("%s: not used (%s)", path, str(exc.__cause__).splitlines()[0])
         return None
-    except (OSError, ValueError) as exc:
-        logging.getLogger(__name__).warning("%s: not used (%s)", path, str(exc).splitlines()[0])
+    if diagnosis is None:
         return None
     if run_id is not None and diagnosis.run_id != run_id:
         logging.getLogger(__name__).warning("%s: made for run %s, not %s; not used (run `regress diagnose` again)",

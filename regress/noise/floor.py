@@ -27,12 +27,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from regress.errors import StorageError
 from regress.noise.record import NoiseApplied
 from regress.records import ScoredRun
-from regress.storage import atomic_write_text
+from regress.storage import atomic_write_text, read_record
 
 log = logging.getLogger(__name__)
 
@@ -198,28 +197,21 @@ def write_floor(floor: NoiseFloor, golden_dir: str | Path) -> Path:
 
 def load_floor(golden_dir: str | Path, golden_run_id: str) -> NoiseFloor | None:
     """``golden/noise.json`` if there is one for this golden; a stale one (another golden's) is
-    ignored with a warning; a damaged one is a :class:`StorageError`."""
+    ignored with a warning; a damaged one is a :class:`~regress.errors.StorageError`."""
     path = noise_path(golden_dir)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    floor = read_record(path, NoiseFloor, what="a regress noise file", missing=None,
+                        unreadable=lambda exc: f"cannot read it ({exc})",
+                        invalid=lambda exc: f"not a regress noise file: {exc.errors()[0]['msg']} "
+                                            "(run `regress noise` again)")
+    if floor is None:
         return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StorageError(f"{path}: cannot read it ({exc})") from exc
-    try:
-        floor = NoiseFloor.model_validate_json(text)
-    except ValidationError as exc:
-        raise StorageError(f"{path}: not a regress noise file: {exc.errors()[0]['msg']} "
-                           "(run `regress noise` again)") from exc
     if floor.golden_run_id != golden_run_id:
         log.warning("%s is stale: measured against golden %s, the golden is %s; ignored "
                     "(run `regress noise` again)", path, floor.golden_run_id, golden_run_id)
-        from rich.markup import escape
+        from regress.progress import warn
 
-        from regress.progress import stderr_console
-        stderr_console.print("[yellow]warning:[/yellow] " + escape(
-            f"{path} is stale (measured against another golden, {floor.golden_run_id}); ignored: "
-            "run `regress noise` again"), soft_wrap=True, highlight=False, emoji=False)
+        warn(f"{path} is stale (measured against another golden, {floor.golden_run_id}); ignored: "
+             "run `regress noise` again")
         return None
     return floor
 

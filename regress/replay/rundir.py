@@ -32,7 +32,7 @@ from regress.errors import StorageError
 from regress.records import RunManifest
 from regress.replay.plan import ReplayPlan, ShardTask
 from regress.runs import MANIFEST, read_manifest, shard_file
-from regress.storage import atomic_write_text, fsync_dir, read_shard_meta
+from regress.storage import atomic_write_text, fsync_dir, partial_path, read_shard_meta
 
 PLAN_FILE = "plan.json"
 """In an unfinished run: the plan's fingerprint and run id (so a resumed run keeps its id)."""
@@ -67,8 +67,11 @@ def up_to_date_run(out_dir: Path, plan: ReplayPlan) -> RunManifest | None:
 
 
 def partial_dir(out_dir: Path) -> Path:
-    """Where the run into ``out_dir`` is built until it is complete."""
-    return out_dir.with_name(out_dir.name + ".partial")
+    """Where the run into ``out_dir`` is built until it is complete. The name is
+    :func:`regress.storage.partial_path`'s, but not the life of :func:`regress.storage.building`:
+    a run's partial outlives a failure (the next run resumes it) and is put in place by
+    :func:`finish`'s crash-safe swap."""
+    return partial_path(out_dir)
 
 
 def old_dir(out_dir: Path) -> Path:

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from regress.errors import StorageError, WatchStateError
-from regress.storage import atomic_write_text
+from regress.storage import atomic_write_text, read_record
 from regress.worker.settings import REDIS_SCHEMES
 
 logger = logging.getLogger("regress.watch")
@@ -210,17 +210,10 @@ class FileState(WatchState):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _read(self) -> _StateFile:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return _StateFile()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise StorageError(f"{self.path}: cannot read the watch state ({exc})") from exc
-        try:
-            state = _StateFile.model_validate_json(text)
-        except ValidationError as exc:
-            raise StorageError(f"{self.path}: not a watch state file ({exc.errors()[0]['msg']}); "
-                               "fix or remove it (the watcher then starts afresh)") from exc
+        state = read_record(self.path, _StateFile, what="a watch state file", missing=_StateFile(),
+                            unreadable=lambda exc: f"cannot read the watch state ({exc})",
+                            invalid=lambda exc: f"not a watch state file ({exc.errors()[0]['msg']}); "
+                                                "fix or remove it (the watcher then starts afresh)")
         if state.format_version > STATE_FORMAT_VERSION:
             raise StorageError(f"{self.path}: state format {state.format_version} is newer than this "
                                f"regress understands ({STATE_FORMAT_VERSION})")
@@ -474,7 +467,7 @@ def _text(raw: bytes | str) -> str:
 
 
 def default_state_path() -> Path:
-    from regress.envs import regress_home
+    from regress.home import regress_home
 
     return regress_home() / "watch" / "state.json"
 
