@@ -13,7 +13,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from regress.envs import regress_home
+from regress.home import regress_home
 from regress.storage import atomic_write_text
 
 _CHUNK = 1 << 20

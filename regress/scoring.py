@@ -2,28 +2,26 @@
 
 Reads two complete runs, writes nothing: :func:`score_runs` returns a
 :class:`~regress.records.ScoredRun`; :func:`write_score_outputs` stores it. Which values are
-aggregated, and how, is what each metric declares (:class:`regress.metrics.spec.Aggregate`).
+aggregated, and how, is what each metric declares (:class:`regress.metrics.spec.Aggregate`,
+applied by :mod:`regress.metrics.aggregate`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import math
-import statistics
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from regress.errors import ConfigError
-from regress.metrics import DEFAULT_METRICS, get_metric, output_specs
+from regress.metrics import DEFAULT_METRICS, get_metric
+from regress.metrics.aggregate import aggregates
 from regress.metrics.answers import matching_answer
 from regress.metrics.base import MetricInfo, Pair
-from regress.metrics.sampled import prompt_units, run_shift, sampled_class
-from regress.metrics.spec import Output
+from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
 from regress.runs import RunResult, golden_scored
-from regress.storage import atomic_write_text
+from regress.storage import atomic_write_text, read_record
 from regress.verdict import Thresholds, classify, run_verdict
 
 if TYPE_CHECKING:
@@ -52,56 +50,6 @@ def build_metrics(t: Any, **context: Any) -> list[tuple[MetricInfo, Any]]:
         kwargs.update({k: v for k, v in context.items() if _accepts(info.factory, k)})
         built.append((info, info.factory(**kwargs)))
     return built
-
-
-def _numbers(values: list[Any]) -> list[float]:
-    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and not (isinstance(v, float) and math.isnan(v))]
-
-
-def aggregate(spec: Output, rows: Sequence[dict[str, Any]]) -> float | None:
-    """One number of the run from a value of every prompt, as its spec says (None: nothing to aggregate)."""
-    a = spec.aggregate
-    if a is None or a.how == "none":
-        return None
-    if a.how == "rate":
-        flags = [v for v in (r.get(spec.name) for r in rows) if v is not None]
-        return sum(1 for v in flags if v) / len(flags) if flags else None
-    if a.weight:
-        pairs = [(r.get(spec.name), r.get(a.weight)) for r in rows]
-        total = sum(int(w or 0) for _, w in pairs)
-        return sum((v or 0.0) * int(w or 0) for v, w in pairs) / total if total else None
-    vals = _numbers([r.get(spec.name) for r in rows])
-    if not vals:
-        return None
-    if a.how == "mean":
-        return sum(vals) / len(vals)
-    if a.how == "median":
-        return float(statistics.median(vals))
-    return float(max(vals) if a.how == "max" else min(vals))
-
-
-def _own_field(key: str) -> bool:
-    """Whether ``key`` is a RunMetrics field that holds an aggregate (a number that may be missing)."""
-    field = RunMetrics.model_fields.get(key)
-    if field is None:
-        return False
-    if field.annotation != (float | None):
-        raise TypeError(f"a metric aggregates to {key!r}, a metrics.json field that holds something else")
-    return True
-
-
-def aggregates(infos: Sequence[MetricInfo], rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(RunMetrics fields, extra aggregates) of the metrics in force. A registered metric that did
-    not run leaves its RunMetrics field None."""
-    fields: dict[str, Any] = {key: None for key in (s.aggregate_key for s in output_specs()) if key and _own_field(key)}
-    extra: dict[str, Any] = {}
-    for info in infos:
-        for spec in info.values:
-            key = spec.aggregate_key
-            if key is not None:
-                (fields if _own_field(key) else extra)[key] = aggregate(spec, rows)
-    return fields, extra
 
 
 ANSWER_SHOWN = 80
@@ -321,18 +269,11 @@ def check_metrics_beside(scored: ScoredRun, metrics_path: Path, mismatch: str | 
 def read_scored_run(path: str | Path) -> ScoredRun:
     """Read a ``scores.json`` back (``path`` may be its directory), checking that the
     ``metrics.json`` beside it (if any) is of the same scoring."""
-    from pydantic import ValidationError
-
-    from regress.errors import StorageError
-
     path = Path(path)
     if path.is_dir():
         path = path / SCORES_FILE
-    try:
-        scored = ScoredRun.model_validate_json(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise StorageError(f"{path}: no such file (run `regress score` first)") from exc
-    except ValidationError as exc:
-        raise StorageError(f"{path}: not a regress scores file: {exc.errors()[0]['msg']}") from exc
+    # unreadable=None: an unreadable scores.json stays the OSError it has always been.
+    scored = read_record(path, ScoredRun, what="a regress scores file", missing_hint=" (run `regress score` first)",
+                         unreadable=None)
     check_metrics_beside(scored, path.parent / METRICS_FILE)
     return scored

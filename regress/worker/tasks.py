@@ -26,8 +26,8 @@ from typing import Any
 from celery.utils.log import get_task_logger
 
 from regress.engine.protocol import ProtocolError, ShardRequest, request_from_dict
-from regress.envs import regress_home
 from regress.errors import EngineError, InputError, MessageRefused, RegressError, ShardFailed
+from regress.home import regress_home
 from regress.records import CandidateSpec
 from regress.replay import PLAN_FILE, shard_file_matches
 from regress.replay.warm import WarmEngines, configuration_digest
