@@ -1,7 +1,8 @@
 """A regression check as one call: replay a candidate, score it, write its report.
 
 The CLI (``regress check``), the release watcher and its Celery task all run checks through
-here, so a check means the same thing whoever starts it.
+here, so a check means the same thing whoever starts it. The commands that run one step of it
+(``golden``, ``noise``, ``replay``, ``score``, ``diagnose``) set up and run that step here too.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from regress.config import Params
 from regress.records import CandidateSpec, RunManifest, ScoredRun
 
 if TYPE_CHECKING:
+    from typing import Callable, ContextManager
+
+    from regress.datasets import PromptSet
     from regress.replay.warm import WarmEngines
     from regress.diagnosis.record import Diagnosis
     from regress.replay import Executor, ProgressSink
+    from regress.noise.floor import NoiseFloor
+    from regress.runs import RunResult
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,117 @@ def executor_for(params: Params, choice: str | None = None, queue: str | None = 
     return CeleryExecutor(params.celery, queue=queue)
 
 
+def ready_to_run(params: Params, spec: CandidateSpec, executor: "Executor | None") -> "Executor | None":
+    """``executor`` back (from :func:`executor_for`; None runs here) once what a run of ``spec``
+    needs before anything starts is checked: run here, its model directories must exist. Every
+    command that runs a candidate (golden, noise, replay, check) sets up through here."""
+    if executor is None:  # runs here: a missing model directory is an error now, not after env and engine start
+        params.check_model_paths(spec)
+    return executor
+
+
+def measure_noise(
+    params: Params,
+    spec: CandidateSpec,
+    prompt_set: "PromptSet",
+    golden_dir: Path,
+    executor: "Executor | None",
+    *,
+    progress: "Callable[[str], ContextManager[ProgressSink]] | None" = None,
+    force: bool = False,
+) -> "NoiseFloor":
+    """Run params' noise arms of ``spec`` (the golden's candidate) against the golden in
+    ``golden_dir``, scored with params' thresholds and metrics, and write golden/noise.json
+    (:func:`regress.noise.arms.run_arms`). ``progress``: makes the display, given its title."""
+    from contextlib import nullcontext
+
+    from regress.home import regress_home
+    from regress.noise.arms import run_arms
+    from regress.scoring import build_metrics, expected_answers
+    from regress.verdict import Thresholds
+
+    thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
+    metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+    shown = progress(f"noise arms of '{spec.name}'") if progress is not None else nullcontext(None)
+    with shown as sink:
+        return run_arms(spec, prompt_set, golden_dir, params.noise, thresholds=thresholds,
+                        expected=expected_answers(prompt_set), executor=executor, progress=sink,
+                        force=force, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """A candidate scored, not written yet, with what it was scored from."""
+
+    report: ScoredRun
+    golden: "RunResult"
+    run: "RunResult"
+    prompt_set: "PromptSet | None"
+    scores_dir: Path
+
+
+def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_dir: Path | None,
+           out: Path | None, golden: "RunResult | None" = None, prompt_set: "PromptSet | None" = None) -> _Scoring:
+    """Score ``spec``'s run against the golden, writing nothing. ``golden`` and ``prompt_set``:
+    loaded already by the caller (a check), else read here."""
+    from regress.datasets import load_prompt_set
+    from regress.home import regress_home
+    from regress.noise.floor import load_floor
+    from regress.progress import stderr_console
+    from regress.runs import load_run
+    from regress.scoring import build_metrics, expected_answers, score_runs
+    from regress.verdict import Thresholds
+
+    thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
+    golden_run = golden if golden is not None else load_run(golden_dir or params.golden_dir())
+    run = load_run(run_dir or params.run_dir(spec.name))
+    noise = load_floor(golden_dir or params.golden_dir(), golden_run.manifest.run_id)
+    if noise is not None and params.noise is not None and params.noise.k != noise.k:
+        noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
+    if prompt_set is None:
+        prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
+    tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
+    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
+        metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+        report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
+                            metrics=metrics, noise=noise)
+    return _Scoring(report, golden_run, run, prompt_set, out or params.scores_dir() / spec.name)
+
+
+def _write_scores(params: Params, spec: CandidateSpec, scoring: _Scoring, *, recorded: bool, source: str,
+                  release: tuple[str, str] | None) -> None:
+    """scores.json and metrics.json, and with ``recorded`` the check's line in the history."""
+    from regress.scoring import write_score_outputs
+
+    write_score_outputs(scoring.report, scoring.scores_dir)
+    if recorded:  # scores written elsewhere (--out) are an aside, not a check of the project
+        from regress.trend import record_check, release_of
+
+        if release is None:
+            release = release_of(spec, params.golden_baseline(scoring.golden.manifest) or params.baseline)
+        record_check(params, scoring.report, spec, source=source, release=release)  # type: ignore[arg-type]
+
+
+def _write_report(params: Params, spec: CandidateSpec, scoring: _Scoring, *, out: Path | None,
+                  diagnosis: "Diagnosis | None") -> Path:
+    """The candidate's report (and, in reports/, the index): with ``diagnosis``, else with its
+    ``diagnosis.json`` when that is of this run."""
+    from regress.diagnosis.record import load_diagnosis
+    from regress.progress import stderr_console
+    from regress.report import refresh_index, write_candidate_report
+
+    with stderr_console.status("writing the report"):
+        # A report written elsewhere (--out) has no reports/index.html to link back to.
+        if diagnosis is None:
+            diagnosis = load_diagnosis(scoring.scores_dir, scoring.run.manifest.run_id)
+        page = write_candidate_report(scoring.report, scoring.golden, scoring.run, scoring.prompt_set,
+                                      out or params.reports_dir() / spec.name,
+                                      index_link=None if out else "../index.html", diagnosis=diagnosis)
+        if out is None:
+            refresh_index(params.reports_dir(), params.scores_dir())
+    return page
+
+
 def score_candidate(
     params: Params,
     spec: CandidateSpec,
@@ -86,48 +203,10 @@ def score_candidate(
     :func:`regress.trend.record_check`) with ``source`` (``check``, ``score``, ``watch``,
     ``bisect``) and the ``release`` checked, (package, version); None: inferred from how the
     candidate differs from the golden's baseline (:func:`regress.trend.release_of`)."""
-    from regress.diagnosis.record import load_diagnosis
-    from regress.datasets import load_prompt_set
-    from regress.envs import regress_home
-    from regress.noise.floor import load_floor
-    from regress.progress import stderr_console
-    from regress.report import refresh_index, write_candidate_report
-    from regress.runs import load_run
-    from regress.scoring import build_metrics, expected_answers, score_runs, write_score_outputs
-    from regress.verdict import Thresholds
-
-    thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
-    golden_run = load_run(golden_dir or params.golden_dir())
-    run = load_run(run_dir or params.run_dir(spec.name))
-    noise = load_floor(golden_dir or params.golden_dir(), golden_run.manifest.run_id)
-    if noise is not None and params.noise is not None and params.noise.k != noise.k:
-        noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
-    prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
-    tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
-    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
-        metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-        report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
-                            metrics=metrics, noise=noise)
-    scores_dir = out or params.scores_dir() / spec.name
-    write_score_outputs(report, scores_dir)
-    if out is None:  # scores written elsewhere (--out) are an aside, not a check of the project
-        from regress.trend import record_check, release_of
-
-        if release is None:
-            release = release_of(spec, params.golden_baseline(golden_run.manifest) or params.baseline)
-        record_check(params, report, spec, source=source, release=release)  # type: ignore[arg-type]
-    page = None
-    if with_report:
-        with stderr_console.status("writing the report"):
-            # A report written elsewhere (--out) has no reports/index.html to link back to.
-            if diagnosis is None:
-                diagnosis = load_diagnosis(scores_dir, run.manifest.run_id)
-            page = write_candidate_report(report, golden_run, run, prompt_set,
-                                          out or params.reports_dir() / spec.name,
-                                          index_link=None if out else "../index.html", diagnosis=diagnosis)
-            if out is None:
-                refresh_index(params.reports_dir(), params.scores_dir())
-    return ScoredCandidate(report, scores_dir, page)
+    scoring = _score(params, spec, golden_dir=golden_dir, run_dir=run_dir, out=out)
+    _write_scores(params, spec, scoring, recorded=out is None, source=source, release=release)
+    page = _write_report(params, spec, scoring, out=out, diagnosis=diagnosis) if with_report else None
+    return ScoredCandidate(scoring.report, scoring.scores_dir, page)
 
 
 def run_check(
@@ -146,31 +225,62 @@ def run_check(
     ``golden_scoring``: let the baseline score the candidate's samples (sampled prompts only;
     one more engine load; see :func:`regress.replay.replay`). ``source`` and ``release`` go to
     the check history (:func:`score_candidate`): who ran the check (``check``, ``watch``,
-    ``bisect``) and the (package, version) it checks, None to infer it."""
+    ``bisect``) and the (package, version) it checks, None to infer it.
+
+    With ``diagnose:`` in params, a failing candidate is diagnosed (:func:`regress.diagnosis.run.diagnose`)
+    before its report is written: it is scored once and gets one history line and one report, with the "Why"."""
     from regress.datasets import load_prompt_set
+    from regress.diagnosis.run import diagnose
+    from regress.effective import generation_defaults
     from regress.replay import replay
     from regress.runs import load_run
 
-    if executor is None:  # runs here: a missing model directory is an error now, not after env and engine start
-        params.check_model_paths(spec)
+    ready_to_run(params, spec, executor)
     prompt_set = load_prompt_set(params.dataset)
     golden_run = load_run(golden_dir or params.golden_dir())
+    # Read once for the check: the plan resolves sampling with them, the manifest records them,
+    # the diagnosis compares them with the baseline's.
+    defaults = generation_defaults(spec)
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
                       executor=executor, progress=progress, force=force,
-                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None)
-    scored = score_candidate(params, spec, golden_dir=golden_dir, source=source, release=release)
-    if params.diagnose is not None and scored.report.metrics.verdict == "fail" and spec.name != params.baseline.name:
-        # A warm executor's engines (regress.replay.warm) serve the probes too.
-        diagnosis = diagnose_candidate(params, spec, golden_dir=golden_dir, progress=progress,
-                                       probes=params.diagnose.probes, max_prompts=params.diagnose.max_prompts,
-                                       engines=getattr(executor, "engines", None))
-        scored = ScoredCandidate(scored.report, scored.scores_dir, scored.page, diagnosis)
-    return CheckResult(manifest, scored)
+                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None,
+                      generation_defaults=defaults)
+    scoring = _score(params, spec, golden_dir=golden_dir, run_dir=None, out=None, golden=golden_run,
+                     prompt_set=prompt_set)
+    _write_scores(params, spec, scoring, recorded=True, source=source, release=release)
+    diagnosis = None
+    if params.diagnose is not None and scoring.report.metrics.verdict == "fail" and spec.name != params.baseline.name:
+        try:
+            baseline = _diagnosis_baseline(params, spec, golden_run)
+            # A warm executor's engines (regress.replay.warm) serve the probes too.
+            diagnosis = diagnose(spec, baseline, prompt_set, golden_run, scoring.run, scoring.report,
+                                 diagnosis_dir(params, spec.name), scoring.scores_dir,
+                                 probes=params.diagnose.probes, max_prompts=params.diagnose.max_prompts,
+                                 progress=progress, engines=getattr(executor, "engines", None),
+                                 candidate_defaults=defaults)
+        except BaseException:
+            # The check's outputs stay whole without the diagnosis: its report, without the "Why".
+            _write_report(params, spec, scoring, out=None, diagnosis=None)
+            raise
+    page = _write_report(params, spec, scoring, out=None, diagnosis=diagnosis)
+    return CheckResult(manifest, ScoredCandidate(scoring.report, scoring.scores_dir, page, diagnosis))
 
 
 def diagnosis_dir(params: Params, name: str) -> Path:
     """Where a candidate's probe runs go (``diagnosis/<candidate>/``, beside runs/)."""
     return params.root / "diagnosis" / name
+
+
+def _diagnosis_baseline(params: Params, spec: CandidateSpec, golden: "RunResult") -> CandidateSpec:
+    """The candidate that made ``golden``, which ``spec`` is diagnosed against, once a diagnosis
+    can run: ``spec`` is not that candidate, and its model directories exist (probes run here)."""
+    from regress.errors import ConfigError
+
+    baseline = params.golden_baseline(golden.manifest) or params.baseline
+    if baseline.name == spec.name:
+        raise ConfigError(f"'{spec.name}' made the golden: there is nothing to diagnose against", field="candidate")
+    params.check_model_paths(spec)
+    return baseline
 
 
 def diagnose_candidate(
@@ -198,10 +308,7 @@ def diagnose_candidate(
         raise ConfigError(f"'{spec.name}' has no scores in {scores_dir}: run `regress check {spec.name}` "
                           f"(or `regress score {spec.name}`) first", field="candidate")
     golden = load_run(golden_dir or params.golden_dir())
-    baseline = params.golden_baseline(golden.manifest) or params.baseline
-    if baseline.name == spec.name:
-        raise ConfigError(f"'{spec.name}' made the golden: there is nothing to diagnose against", field="candidate")
-    params.check_model_paths(spec)
+    baseline = _diagnosis_baseline(params, spec, golden)
     result = diagnose(spec, baseline, load_prompt_set(params.dataset), golden, load_run(params.run_dir(spec.name)),
                       read_scored_run(scores_dir), diagnosis_dir(params, spec.name), scores_dir,
                       probes=probes, max_prompts=max_prompts, progress=progress, force=force, engines=engines)

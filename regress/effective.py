@@ -210,9 +210,10 @@ def _local(path: str | None) -> Path | None:
     return p if p.is_dir() else None
 
 
-def effective_config(spec: CandidateSpec) -> list[Fact]:
+def effective_config(spec: CandidateSpec, defaults: dict[str, Any] | None = None) -> list[Fact]:
     """What a candidate will run with, read from params and its model and tokenizer directories
-    (a hub id that is not a local directory gives what params say only)."""
+    (a hub id that is not a local directory gives what params say only). ``defaults``: its
+    :func:`generation_defaults` when the caller has read them (None: read here)."""
     facts: list[Fact] = []
 
     def add(source: Source, name: str, value: Any) -> None:
@@ -237,7 +238,7 @@ def effective_config(spec: CandidateSpec) -> list[Fact]:
         add("sampling", f"sampling.{key}", value)
     add("input defaults", "generation_config", spec.generation_config)
     try:
-        applied: Any = generation_defaults(spec) or "none"
+        applied: Any = (generation_defaults(spec) if defaults is None else defaults) or "none"
     except ConfigError as exc:
         applied = f"unreadable: {exc.message}"
     add("input defaults", "model defaults applied", applied)
@@ -273,10 +274,12 @@ def effective_config(spec: CandidateSpec) -> list[Fact]:
     return facts
 
 
-def differences(baseline: CandidateSpec, candidate: CandidateSpec) -> list[Difference]:
-    """Every setting whose effective value differs, ordered by source (input first) then name."""
+def differences(baseline: CandidateSpec, candidate: CandidateSpec, *,
+                candidate_defaults: dict[str, Any] | None = None) -> list[Difference]:
+    """Every setting whose effective value differs, ordered by source (input first) then name.
+    ``candidate_defaults``: the candidate's :func:`generation_defaults`, when read already."""
     a = {(f.source, f.name): f.value for f in effective_config(baseline)}
-    b = {(f.source, f.name): f.value for f in effective_config(candidate)}
+    b = {(f.source, f.name): f.value for f in effective_config(candidate, candidate_defaults)}
     out = [Difference(source, name, a.get((source, name), UNSET), b.get((source, name), UNSET))
            for source, name in set(a) | set(b) if a.get((source, name), UNSET) != b.get((source, name), UNSET)]
     return sorted(out, key=lambda d: (SOURCES.index(d.source), d.name))

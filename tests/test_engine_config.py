@@ -90,6 +90,35 @@ def test_hub_ids_and_bad_files_are_config_errors(tmp_path):
         resolve_sampling(prompts, CandidateSpec(name="c", model=str(model), generation_config="auto"))
 
 
+def test_defaults_read_once_are_the_ones_planned_recorded_and_compared(tmp_path, monkeypatch):
+    """A check reads a candidate's generation_config defaults once and passes them down: the plan
+    resolves sampling with them and carries them to the manifest, the diagnosis's differences
+    compare them; nothing reads the file again."""
+    import regress.effective
+    import regress.replay.manifest
+    import regress.replay.plan
+    from regress.replay.manifest import effective_record
+
+    prompts = _prompt_set(tmp_path)
+    model = _model_dir(tmp_path, {"repetition_penalty": 1.3})
+    spec = CandidateSpec(name="c", model=str(model), generation_config="auto")
+    read = generation_defaults(spec)
+
+    def unread(candidate):  # the baseline's own defaults are another candidate's: still read
+        assert candidate.name != spec.name, "the candidate's generation_config.json read again"
+        return generation_defaults(candidate)
+
+    for module, name in ((regress.replay.plan, "read_generation_defaults"), (regress.replay.manifest, "generation_defaults"),
+                         (regress.effective, "generation_defaults")):
+        monkeypatch.setattr(module, name, unread)
+    plan = plan_replay(spec, prompts, generation_defaults=read)
+    assert plan.generation_defaults == read and plan.tasks[0].prompts[0]["sampling"]["repetition_penalty"] == 1.3
+    assert effective_record(spec, {}, [], plan.generation_defaults).generation_defaults_applied == read
+    bare = CandidateSpec(name="a", model=str(model))
+    found = {d.name: d for d in differences(bare, spec, candidate_defaults=read)}
+    assert found["model defaults applied"].candidate == '{"repetition_penalty": 1.3}'
+
+
 def test_the_setting_is_an_input_defaults_fact(tmp_path):
     model = _model_dir(tmp_path, {"repetition_penalty": 1.3})
     a = CandidateSpec(name="a", model=str(model))

@@ -548,7 +548,7 @@ def test_ctrl_c_exits_130_and_says_how_to_resume(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(
         "import os, signal, time, typer\n"
-        "from regress.cli import run_app\n"
+        "from regress.cli_boundary import run_app\n"
         "app = typer.Typer()\n"
         "@app.command()\n"
         "def work():\n"

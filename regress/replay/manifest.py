@@ -58,19 +58,22 @@ def versions_record(packages: dict[str, str | None], backend: str) -> Versions:
     )
 
 
-def effective_record(candidate: CandidateSpec, info: dict[str, Any], shard_metas: list[dict[str, Any]]) -> EffectiveConfig:
+def effective_record(candidate: CandidateSpec, info: dict[str, Any], shard_metas: list[dict[str, Any]],
+                     applied_defaults: dict[str, Any] | None = None) -> EffectiveConfig:
     """The configuration as the engine applied it: the backend's facts from loading (none from an
     engine that predates them), the candidate's generation_config and the defaults regress took
-    from it, and the engine's sampling parameters per distinct sampling, gathered from the shards
-    (in shard order, at most :data:`MAX_SAMPLING_APPLIED`)."""
+    from it (``applied_defaults``, the plan's; None: read again), and the engine's sampling
+    parameters per distinct sampling, gathered from the shards (in shard order, at most
+    :data:`MAX_SAMPLING_APPLIED`)."""
     facts = dict(info.get("effective") or {})
     tokenizer = facts.pop("tokenizer", None)
     known = set(EffectiveConfig.model_fields)
     engine_facts = {k: v for k, v in facts.items() if k in known and k not in ("sampling_applied", "generation_config")}
-    try:
-        applied_defaults = generation_defaults(candidate)
-    except ConfigError:  # the plan read it a moment ago; a file gone since leaves this fact empty
-        applied_defaults = {}
+    if applied_defaults is None:
+        try:
+            applied_defaults = generation_defaults(candidate)
+        except ConfigError:  # the plan read it a moment ago; a file gone since leaves this fact empty
+            applied_defaults = {}
     seen: set[str] = set()
     sampling: list[AppliedSampling] = []
     truncated = False
@@ -142,5 +145,6 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
             engine_loads=outcome.engine_loads,
         ),
         memory=Memory(**outcome.memory) if outcome.memory else Memory(),
-        effective=effective_record(plan.candidate, info, shard_metas),  # type: ignore[arg-type]
+        effective=effective_record(plan.candidate, info, shard_metas,  # type: ignore[arg-type]
+                                   plan.generation_defaults),
     )

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from regress.datasets import PromptSet
-from regress.effective import generation_defaults
+from regress.effective import generation_defaults as read_generation_defaults
 from regress.engine.protocol import PromptInput, TeacherForcePair
 from regress.errors import ConfigError
 from regress.records import (FORMAT_VERSION, SAMPLE_SEPARATOR, CandidateSpec, ResolvedSampling, SamplingSpec,
@@ -39,10 +39,13 @@ def plan_layout(prompt_ids: list[str], shard_size: int) -> ShardLayout:
     return ShardLayout(shard_size=shard_size, shards=shards)
 
 
-def model_sampling_defaults(candidate: CandidateSpec) -> SamplingSpec:
+def model_sampling_defaults(candidate: CandidateSpec, defaults: dict[str, Any] | None = None) -> SamplingSpec:
     """The layer a candidate's ``generation_config`` adds (empty for ``vllm``): the model's defaults
-    as a sampling layer. An unusable file or value is a :class:`ConfigError` naming the field."""
-    defaults = generation_defaults(candidate)
+    as a sampling layer. An unusable file or value is a :class:`ConfigError` naming the field.
+    ``defaults``: :func:`~regress.effective.generation_defaults` of ``candidate`` when the caller
+    has read them already (None: read here)."""
+    if defaults is None:
+        defaults = read_generation_defaults(candidate)
     try:
         return SamplingSpec.model_validate(defaults, strict=False)
     except ValidationError as exc:
@@ -52,11 +55,12 @@ def model_sampling_defaults(candidate: CandidateSpec) -> SamplingSpec:
                           field="generation_config") from exc
 
 
-def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec) -> list[ResolvedSampling]:
+def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec,
+                     defaults: dict[str, Any] | None = None) -> list[ResolvedSampling]:
     """Per prompt: built-in defaults < the model's generation_config defaults (only when the
     candidate's ``generation_config`` is not ``vllm``) < candidate sampling < prompt set defaults
-    < prompt overrides."""
-    model_defaults = model_sampling_defaults(candidate)
+    < prompt overrides. ``defaults``: the candidate's generation_config defaults, when read already."""
+    model_defaults = model_sampling_defaults(candidate, defaults)
     return [
         ResolvedSampling.resolve(model_defaults, candidate.sampling, prompt_set.card.defaults, p.sampling)
         for p in prompt_set.prompts
@@ -94,10 +98,12 @@ def sample_count(prompt: Any, card_samples: int | None, sampling: ResolvedSampli
     return n
 
 
-def plan_entries(prompt_set: PromptSet, candidate: CandidateSpec) -> list[Entry]:
-    """Every request, in prompt set order: a sampled prompt becomes its samples, one after another."""
+def plan_entries(prompt_set: PromptSet, candidate: CandidateSpec,
+                 defaults: dict[str, Any] | None = None) -> list[Entry]:
+    """Every request, in prompt set order: a sampled prompt becomes its samples, one after another.
+    ``defaults``: the candidate's generation_config defaults, when read already."""
     entries: list[Entry] = []
-    for prompt, sampling in zip(prompt_set.prompts, resolve_sampling(prompt_set, candidate)):
+    for prompt, sampling in zip(prompt_set.prompts, resolve_sampling(prompt_set, candidate, defaults)):
         n = sample_count(prompt, prompt_set.card.samples, sampling)
         if n == 1:
             entries.append(Entry(prompt.id, prompt, sampling))
@@ -146,6 +152,9 @@ class ReplayPlan:
     fingerprint: str
     shard_timeout_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    generation_defaults: dict[str, Any] | None = None
+    """The candidate's generation_config defaults the plan's sampling was resolved with
+    (:func:`~regress.effective.generation_defaults`, read once): the manifest records them."""
 
     @property
     def teacher_forced(self) -> bool:
@@ -187,10 +196,13 @@ def plan_replay(
     golden: RunResult | None = None,
     shard_size: int | None = None,
     teacher_force: bool = True,
+    generation_defaults: dict[str, Any] | None = None,
 ) -> ReplayPlan:
-    """Plan a golden run (``golden=None``) or a replay against ``golden``."""
-    return _plan(candidate, prompt_set, plan_entries(prompt_set, candidate), golden=golden, shard_size=shard_size,
-                 teacher_force=teacher_force)
+    """Plan a golden run (``golden=None``) or a replay against ``golden``. ``generation_defaults``:
+    the candidate's generation_config defaults when the caller has read them (None: read here)."""
+    defaults = read_generation_defaults(candidate) if generation_defaults is None else generation_defaults
+    return _plan(candidate, prompt_set, plan_entries(prompt_set, candidate, defaults), golden=golden,
+                 shard_size=shard_size, teacher_force=teacher_force, defaults=defaults)
 
 
 GOLDEN_SCORING = "golden-scores-samples"
@@ -205,17 +217,19 @@ def plan_golden_scoring(baseline: CandidateSpec, prompt_set: PromptSet, run: Run
     teacher-forced logprobs are used). None when the prompt set has no sampled prompt.
 
     The plan's "golden" is the candidate ``run``: its tokens are what is teacher-forced."""
-    entries = [e for e in plan_entries(prompt_set, baseline) if e.sampling.samples]
+    defaults = read_generation_defaults(baseline)
+    entries = [e for e in plan_entries(prompt_set, baseline, defaults) if e.sampling.samples]
     if not entries:
         return None
     entries = [Entry(e.id, e.prompt, e.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
                for e in entries]
     return _plan(baseline, prompt_set, entries, golden=run, shard_size=shard_size or run.manifest.layout.shard_size,
-                 teacher_force=True, purpose=GOLDEN_SCORING)
+                 teacher_force=True, purpose=GOLDEN_SCORING, defaults=defaults)
 
 
 def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry], *, golden: RunResult | None,
-          shard_size: int | None, teacher_force: bool, purpose: str | None = None) -> ReplayPlan:
+          shard_size: int | None, teacher_force: bool, purpose: str | None = None,
+          defaults: dict[str, Any] | None = None) -> ReplayPlan:
     if golden is not None:
         _check_golden(prompt_set, golden, entries)
         if shard_size is None:
@@ -258,4 +272,5 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
         tasks=tasks,
         golden=golden,
         fingerprint=plan_fingerprint,
+        generation_defaults=defaults,
     )

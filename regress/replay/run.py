@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from regress.datasets import PromptSet
 from regress.errors import RunError
@@ -30,6 +31,7 @@ def replay(
     progress: ProgressSink | None = None,
     force: bool = False,
     baseline: CandidateSpec | None = None,
+    generation_defaults: dict[str, Any] | None = None,
 ) -> RunManifest:
     """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
 
@@ -41,11 +43,15 @@ def replay(
     the baseline then scores the candidate's samples teacher-forced into
     ``<out_dir>/golden-scored/`` (:func:`~regress.replay.plan.plan_golden_scoring`): how likely the
     golden's model finds what the candidate sampled. One more engine load, only for sampled prompts.
+
+    ``generation_defaults``: the candidate's generation_config defaults when the caller has read
+    them (:func:`regress.effective.generation_defaults`; None: the plan reads them).
     """
     out_dir = Path(out_dir)
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
-    plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force)
+    plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force,
+                       generation_defaults=generation_defaults)
     manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
     if golden is not None and baseline is not None and candidate.name != baseline.name:
         from regress.runs import load_run

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from regress.records import RunManifest
+
+if TYPE_CHECKING:
+    from regress.config import Params
 
 VALUE_CAP = 300
 """Characters of one shown value."""
@@ -117,3 +120,26 @@ def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
     keys.sort(key=lambda k: sections.index(k[0]))
     rows = [Setting(sec, name, _text(a.get((sec, name))), _text(b.get((sec, name)))) for sec, name in keys]
     return [r for r in rows if not (r.baseline == "—" and r.candidate == "—")]
+
+
+def applied_differences(p: "Params", baseline: str, candidate: str) -> list[Setting] | None:
+    """The effective-configuration rows that differ between two candidates' runs (the golden for
+    the candidate that made it, runs/<name> for the others); None unless both have a manifest
+    that records it."""
+    from regress.errors import RegressError
+    from regress.runs import read_manifest
+
+    def manifest(name: str):  # type: ignore[no-untyped-def]
+        for where in (p.golden_dir(), p.run_dir(name)):
+            try:
+                m = read_manifest(where)
+            except (RegressError, OSError, ValueError):
+                continue
+            if m.candidate.name == name and m.effective is not None:
+                return m
+        return None
+
+    ma, mb = manifest(baseline), manifest(candidate)
+    if ma is None or mb is None:
+        return None
+    return [s for s in config_diff(ma, mb) if s.section == "effective" and s.changed]

@@ -24,19 +24,11 @@ def _echo(message: str) -> None:
     typer.echo(message)
 
 
-def _warn(message: str) -> None:
-    from rich.markup import escape
-
-    from regress.progress import stderr_console
-
-    stderr_console.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True, highlight=False)
-
-
 def _print_tick(tick: Any) -> None:
+    from regress.progress import print_error, warn
+
     for package in tick.packages:
         if package.error is not None:
-            from regress.progress import print_error
-
             print_error(f"{package.package}: {package.error} (state unchanged; the next tick retries)")
             continue
         skipped = []
@@ -66,12 +58,10 @@ def _print_tick(tick: Any) -> None:
                 text += f"  {outcome.detail}"
             _echo(text)
             if outcome.error is not None:
-                from regress.progress import print_error
-
                 print_error(f"{package.package} {outcome.version}: {outcome.error} "
                             "(not recorded; the next tick retries)")
     for warning in tick.warnings:
-        _warn(warning)
+        warn(warning)
 
 
 def _print_history(records: list[Any]) -> None:
@@ -232,7 +222,7 @@ def standalone_app() -> typer.Typer:
 
 
 if __name__ == "__main__":
-    from regress.cli import run_app
+    from regress.cli_boundary import run_app
 
     # The same exit codes as `regress watch`: a crash is 3 with a crash log, never Python's 1.
     run_app(standalone_app())
