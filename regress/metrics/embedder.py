@@ -345,6 +345,20 @@ class OpenVinoEncoder:
                                            {"PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_PRECISION_HINT": hint})
         n = max(1, int(self.compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS")))
         self.requests = [self.compiled.create_infer_request() for _ in range(n)]
+        # Two requests that meet a new input shape at the same time can deadlock inside OpenVINO
+        # (both waiting in infer at 0 % CPU, seen on 2 cores): a request's first inference of a
+        # shape runs alone, under this lock; shapes it has run before run in parallel.
+        self._new_shape = threading.Lock()
+        self._shapes_seen: list[set[tuple[int, ...]]] = [set() for _ in self.requests]
+
+    def _infer(self, index: int, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        shape = tuple(int(d) for feed in feeds.values() for d in feed.shape)
+        if shape in self._shapes_seen[index]:
+            return self.requests[index].infer(feeds)[0]
+        with self._new_shape:
+            result = self.requests[index].infer(feeds)[0]
+        self._shapes_seen[index].add(shape)
+        return result
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """L2-normalised float32 embeddings, one row per text."""
@@ -355,21 +369,21 @@ class OpenVinoEncoder:
         take = threading.Lock()
         errors: list[BaseException] = []
 
-        def work(request: Any) -> None:
+        def work(index: int) -> None:
             try:
                 while not errors:
                     with take:
                         rows = next(batches, None)
                     if rows is None:
                         return
-                    out[rows] = request.infer(token_feeds(self.tokenizer, [texts[i] for i in rows]))[0]
+                    out[rows] = self._infer(index, token_feeds(self.tokenizer, [texts[i] for i in rows]))
             except BaseException as exc:  # re-raised in the caller's thread
                 errors.append(exc)
 
-        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in self.requests[1:]]
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(1, len(self.requests))]
         for t in threads:
             t.start()
-        work(self.requests[0])
+        work(0)
         for t in threads:
             t.join()
         if errors:
