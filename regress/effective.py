@@ -1,5 +1,7 @@
-"""A candidate's effective configuration, read without starting an engine, and the differences
-between two candidates that can change outputs (``regress diff``).
+"""A candidate's effective configuration, and what differs between two (``regress diff``).
+
+The configuration is read without starting an engine; the differences between two candidates
+are those that can change outputs.
 
 Drift has four sources (the field guide this project grew from): the input (tokenizer, chat
 template, special tokens, and the defaults a model ships in ``generation_config.json`` that an

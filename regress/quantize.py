@@ -1,5 +1,7 @@
-"""Quantized candidates made the way production users make them: llm-compressor, in its own
-environment (it pins other transformers and compressed-tensors versions than vLLM does).
+"""Quantized candidates made the way production users make them: with llm-compressor.
+
+llm-compressor runs in its own environment (it pins other transformers and compressed-tensors
+versions than vLLM does).
 
 ``quantize_model`` creates (or reuses) that environment, runs :mod:`regress.quantize_entry`
 there, and writes a compressed-tensors checkpoint that vLLM loads with

@@ -1,6 +1,7 @@
-"""Quantize a model with llm-compressor: ``python -m regress.quantize_entry``, run in the
-llm-compressor environment (see :mod:`regress.quantize`). Standard library, torch,
-transformers and llmcompressor only.
+"""Quantize a model with llm-compressor: ``python -m regress.quantize_entry``.
+
+It runs in the llm-compressor environment (see :mod:`regress.quantize`). Standard library,
+torch, transformers and llmcompressor only.
 """
 
 from __future__ import annotations

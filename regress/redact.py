@@ -1,5 +1,7 @@
-"""Secrets: the one redaction function, reading a secret from the environment, and the
-environment a child process gets without them.
+"""Secrets: redacting them, reading them from the environment, keeping them from child processes.
+
+The module holds the one redaction function, the reading of a secret from the environment, and
+the environment a child process gets without the secrets.
 
 Everything regress prints, logs or stores that may hold a URL or a header goes through
 :func:`redact`. It works on free text (a pip command line, an error message, a log line), not

@@ -1,5 +1,7 @@
-"""The engine process's former entry point, ``python -m regress.runner``: kept so that scripts
-and notes that start it that way still work. The engine process is :mod:`regress.engine.server`."""
+"""The engine process's former entry point, ``python -m regress.runner``, kept for old callers.
+
+It is kept so that scripts and notes that start it that way still work. The engine process is
+:mod:`regress.engine.server`."""
 
 from regress.engine.server import main
 

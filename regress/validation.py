@@ -1,5 +1,7 @@
-"""Turn pydantic validation errors into messages a user can act on: which field, what is
-allowed, what was given. And read YAML with bounded alias expansion (:func:`load_yaml`)."""
+"""Turn pydantic validation errors into messages a user can act on, and read YAML safely.
+
+A message says which field, what is allowed, what was given. YAML is read with bounded alias
+expansion (:func:`load_yaml`)."""
 
 from __future__ import annotations
 

@@ -219,12 +219,26 @@ def test_no_file_is_over_the_line_limit() -> None:
     assert not long, "\n".join(long)
 
 
+MAX_SUMMARY = 100
+SENTENCE_ENDS = (".", ":", "?", "!")
+
+
 def test_every_module_says_its_job_first() -> None:
+    # The first line must be a whole sentence: a summary cut at the line break (the sentence
+    # running on into the next line) does not end with a sentence's punctuation.
     missing = []
     for _, (path, tree, _) in sorted(_modules().items()):
+        name = path.relative_to(PACKAGE.parent)
         doc = ast.get_docstring(tree, clean=False)  # cleaning would drop a blank first line
         if doc is None:
-            missing.append(f"{path.relative_to(PACKAGE.parent)}: no module docstring")
-        elif not doc.split("\n", 1)[0].strip():
-            missing.append(f"{path.relative_to(PACKAGE.parent)}: the docstring's first line is empty")
+            missing.append(f"{name}: no module docstring")
+            continue
+        first = doc.split("\n", 1)[0].strip()
+        if not first:
+            missing.append(f"{name}: the docstring's first line is empty")
+        elif len(first) > MAX_SUMMARY:
+            missing.append(f"{name}: the first line is {len(first)} characters (limit {MAX_SUMMARY}): {first!r}")
+        elif not first.endswith(SENTENCE_ENDS):
+            missing.append(f"{name}: the first line is not a whole sentence (it ends without "
+                           f"{' '.join(SENTENCE_ENDS)}): {first!r}")
     assert not missing, "\n".join(missing)

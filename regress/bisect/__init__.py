@@ -1,5 +1,6 @@
-"""``regress bisect PACKAGE --good V1 --bad V2``: which release between a good and a bad one
-changed the outputs.
+"""``regress bisect PACKAGE --good V1 --bad V2``: which release between the two changed the outputs.
+
+V1 is a good release and V2 a bad one.
 
 - :mod:`regress.bisect.plan`: the releases between the two (from the package index pip uses,
   through the watcher's PEP 691 client) and the candidate each becomes;

@@ -1,5 +1,4 @@
-"""What a bisect checks: the releases between the good and the bad version, and the candidate
-each one becomes.
+"""What a bisect checks: the releases between the good and bad version, and each one's candidate.
 
 The releases come from the package index pip uses (:mod:`regress.watch.index`: pip's
 configuration decides, ``--index-url`` or ``REGRESS_INDEX_URL`` override), the same client the

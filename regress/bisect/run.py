@@ -1,7 +1,9 @@
-"""The binary search: check the bad version, then the middle of what is left, until the first
-bad release is pinned down. Every step is a normal check (:func:`regress.checks.run_check`):
-replay against the golden in the version's cached environment, score, report, a line in the
-trend history. The state is saved after each step (:mod:`regress.bisect.record`).
+"""The bisect's binary search: narrow the releases down to the first bad one.
+
+The search checks the bad version, then the middle of what is left, until the first bad release
+is pinned down. Every step is a normal check (:func:`regress.checks.run_check`): replay against
+the golden in the version's cached environment, score, report, a line in the trend history. The
+state is saved after each step (:mod:`regress.bisect.record`).
 
 A version whose environment cannot be built (a broken release, a wheel missing for this
 platform) is recorded as skipped and the search goes around it; if the first bad release is

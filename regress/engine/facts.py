@@ -1,5 +1,7 @@
-"""What the engine process reports about where it runs: hardware, peak memory, the model
-snapshot it loaded; and the one thing it asks of the kernel before the engine starts (AMX).
+"""What the engine process reports about where it runs, and what it asks of the kernel (AMX).
+
+It reports the hardware, the peak memory and the model snapshot it loaded; the one thing it asks
+of the kernel, before the engine starts, is AMX.
 
 Runs inside the candidate's environment: standard library only (torch is looked at only when
 the engine already imported it).

@@ -1,4 +1,6 @@
-"""The engine process: ``python -m regress.engine.server``, run with a candidate environment's interpreter.
+"""The engine process: ``python -m regress.engine.server``.
+
+It is run with a candidate environment's interpreter.
 
 This is the thin, dependency-light entry point of regress that candidate environments need:
 standard library, numpy, and the engine the environment holds. It loads one engine and keeps

@@ -1,6 +1,7 @@
-"""A run's ``tokens.json`` (format in :mod:`regress.runs`): every token id's text, and the raw
-bytes of the ids whose text is only part of a character, so reports show tokens without
-loading a tokenizer.
+"""A run's ``tokens.json``: the vocabulary a report needs to show tokens.
+
+The file (format in :mod:`regress.runs`) holds every token id's text, and the raw bytes of the
+ids whose text is only part of a character, so reports show tokens without loading a tokenizer.
 
 Runs inside the candidate's environment: standard library only; the tokenizer is the engine's.
 """

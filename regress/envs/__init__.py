@@ -1,4 +1,4 @@
-"""Candidate environments: one virtual environment per engine package spec, created on first use, cached, reused.
+"""Candidate environments: one venv per engine package spec, created on first use, cached, reused.
 
 This package's face re-exports what callers use: :mod:`regress.envs.spec` (the spec, its key,
 directory and marker), :mod:`regress.envs.integrity` (the content records and their checks),

@@ -1,4 +1,6 @@
-"""Building and removing candidate environments: venv and pip runs, layers over a base, the interpreter for a candidate.
+"""Building and removing candidate environments, and the interpreter for a candidate.
+
+It runs venv and pip, and builds layers over a base.
 
 See :mod:`regress.envs` for the whole story (the torchvision repair, "Layers").
 """

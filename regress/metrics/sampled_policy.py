@@ -1,5 +1,7 @@
-"""The verdict on sampled prompts: their samples put together into one row per prompt, each
-prompt's class (with expected answers judged as success rates) and the run-level shift rule.
+"""The verdict on sampled prompts: per-prompt rows, each prompt's class, the run-level shift rule.
+
+A prompt's samples are put together into one row per prompt; its class judges expected answers
+as success rates.
 
 The measures these rules read are :mod:`regress.metrics.sampled`'s; scoring
 (:func:`regress.scoring.score_runs`) calls :func:`prompt_units`, :func:`sampled_class` and

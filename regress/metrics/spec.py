@@ -1,5 +1,7 @@
-"""What a metric declares about each value it returns, so that the verdict, the aggregates,
-metrics.json, JUnit, summary.md and the report page all follow from the declaration.
+"""What a metric declares about each value it returns: the one source its consumers follow.
+
+The verdict, the aggregates, metrics.json, JUnit, summary.md and the report page all follow from
+the declaration.
 
 An :class:`Output` says what a value measures, how it is shown, which way is better, how it is
 aggregated over prompts and, where it gates, its benign and regression bounds. A bound is a

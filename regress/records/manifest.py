@@ -1,4 +1,6 @@
-"""Run manifest records: how a run was produced (plan, layout, versions, model, hardware, timings, config)."""
+"""Run manifest records: how a run was produced.
+
+They hold the plan, layout, versions, model, hardware, timings and config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Score records: per-prompt scores and classes, latency, run aggregates (metrics.json) and the scored run."""
+"""Score records: what scoring produces, per prompt and per run.
+
+Per-prompt scores and classes, latency, run aggregates (metrics.json) and the scored run."""
 
 from __future__ import annotations
 

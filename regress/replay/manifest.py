@@ -1,5 +1,7 @@
-"""A finished run's manifest: how it was produced, from the plan, what the executor learned
-about the engine, and the shards' own timings."""
+"""A finished run's manifest: how the run was produced.
+
+It is put together from the plan, what the executor learned about the engine, and the shards'
+own timings."""
 
 from __future__ import annotations
 

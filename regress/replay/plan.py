@@ -1,5 +1,6 @@
-"""Planning a replay: which prompts go into which shard, with which sampling, and the
-fingerprints that recognise a finished run or shard of the same plan.
+"""Planning a replay: which prompts go into which shard, with which sampling, and its fingerprints.
+
+The fingerprints recognise a finished run or shard of the same plan.
 
 Batch composition is part of the experiment: prompts keep the prompt set's order and are cut
 into fixed-size shards, and a replay uses the golden's shard size unless told otherwise, so

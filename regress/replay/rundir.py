@@ -1,5 +1,7 @@
-"""A run directory's life: an up-to-date run is reused, an unfinished one (``<out>.partial``)
-is resumed shard by shard, a finished one replaces the old run in one move.
+"""A run directory's life: reuse, resume shard by shard, and replace in one move.
+
+An up-to-date run is reused, an unfinished one (``<out>.partial``) is resumed shard by shard, a
+finished one replaces the old run in one move.
 
 A shard counts as done only when its result file carries the fingerprint of exactly this
 shard of exactly this plan; so a changed plan never mixes with an earlier one's files.

@@ -1,5 +1,7 @@
-"""Where a replay says what it is doing: the CLI draws progress bars from it
-(:class:`regress.progress.RichProgress`); library callers may pass nothing."""
+"""Where a replay says what it is doing.
+
+The CLI draws progress bars from it (:class:`regress.progress.RichProgress`); library callers
+may pass nothing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The release watcher (``regress watch``): new engine releases on the package index become
-regression checks, one per version.
+"""The release watcher (``regress watch``): one regression check per new engine release.
+
+New engine releases on the package index become regression checks, one per version.
 
 ::
 

@@ -1,5 +1,7 @@
-"""One tick of the release watcher: for each watched package, ask the index for its releases,
-keep the ones to check, diff them against the state, start one check per new version, record.
+"""One tick of the release watcher: start one check per new release of each watched package.
+
+For each watched package, a tick asks the index for its releases, keeps the ones to check, diffs
+them against the state, starts one check per new version and records the outcome.
 
 Rules a tick keeps:
 
