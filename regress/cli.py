@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
 from regress.cli_output import print_diagnosis, print_noise_floor, print_scores, summarise_run
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION
 from regress.progress import print_error, stderr_console
@@ -35,15 +36,6 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
-
-
-ExecutorOption = typer.Option(
-    None, "--executor", "-e",
-    help="Where shards run: 'local' (this machine, no broker) or 'celery' (workers over Redis). Default: params' executor.",
-)
-QueueOption = typer.Option(None, "--queue", help="Celery queue for the shards (default: params' celery.queue).")
 
 
 def _out(message: str) -> None:

@@ -45,7 +45,7 @@ LAYERS: dict[str, int] = {
     # L4 orchestration
     "checks": 4, "noise.arms": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands
-    "cli": 5, "cli_boundary": 5, "cli_output": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
+    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
 }
 
 

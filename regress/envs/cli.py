@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from regress.cli_options import ParamsOption
 from regress.errors import RegressError
 from regress.progress import stderr_console
 
@@ -17,8 +18,6 @@ env_app = typer.Typer(
     no_args_is_help=True,
 )
 
-# The same option as regress.cli's ParamsOption (kept here so that this module needs nothing of regress.cli).
-ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
 
 
 def _out(message: str) -> None:
