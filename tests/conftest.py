@@ -71,6 +71,54 @@ def _env_spec(key: str):
     return DEFAULT_QUANTIZER if value is None else EnvSpec(value[0], tuple(value[1]))
 
 
+# The suite's tiers, by what a test starts, read from the fixtures it uses (directly or through
+# other fixtures): a test that starts one of these things without such a fixture carries the
+# marker itself. Every other test is marked `fast` (no engine, no server, no worker, no
+# environment build, no real model): `./scripts/test -m fast`. README.md, "Tests", lists them.
+STARTS: dict[str, frozenset[str]] = {
+    # vLLM (or the HF reference) engine processes, or results only they make.
+    "engine": frozenset({"golden_dir", "same_run", "alone_arm", "verdict_workspace", "lab", "warm_engines",
+                         "sampled_workspace", "damaged_workspace", "pipeline", "bisect_workspace", "alone",
+                         "served", "server_workspace", "main_worker", "shared_engines"}),
+    # vLLM's OpenAI-compatible HTTP server.
+    "server": frozenset({"served", "server_workspace"}),
+    # Celery worker processes.
+    "worker": frozenset({"main_worker", "fleet", "processes"}),
+    # Candidate virtual environments (pip).
+    "envs": frozenset({"candidate_envs", "tiny_venv", "offline_pip", "vllm_layer", "vllm_cpu_envs", "w8a8_model"}),
+    # SmolLM2-135M-Instruct, built from its wheel.
+    "real_model": frozenset({"real_model"}),
+}
+HEAVY = tuple(STARTS)
+FAST_GUARD = REPO / "tests" / "no_vllm"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The fast tier proves it needs no vLLM: every process it starts has vllm made unimportable.
+    if (config.option.markexpr or "").strip() == "fast":
+        import runpy
+
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAST_GUARD), os.environ.get("PYTHONPATH")) if p)
+        runpy.run_path(str(FAST_GUARD / "sitecustomize.py"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in STARTS.items():
+            if used & fixtures and not item.get_closest_marker(marker):
+                item.add_marker(marker)
+        if any(item.get_closest_marker(marker) for marker in HEAVY):
+            # With pytest-xdist (scripts/test runs two workers) the heavy tests stay together on
+            # one worker, in one session, sharing its engines, golden and workers; the real
+            # model's pipeline is a group of its own (it shares nothing with the fixture model's
+            # tests), and the fast tests fill in around both.
+            group = "real-model" if item.get_closest_marker("real_model") else "fixture-model"
+            item.add_marker(pytest.mark.xdist_group(group))
+        else:
+            item.add_marker("fast")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.get_closest_marker("envs") for item in session.items):
         return
@@ -172,23 +220,44 @@ def verdict_workspace(workspace: Path, golden_dir: Path, fixture_model: Path, tm
     return workspace
 
 
-@pytest.fixture(scope="session")
-def alone_arm(workspace: Path, golden_dir: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """`regress noise` with the 'alone' arm (the baseline, each prompt alone) in a copy of the
-    shared workspace, once per session: test_noise checks the arm, test_verdicts_engine scores
-    its run as a batch-composition candidate. Returns (the copy's root, the command's result)."""
-    import shutil
+# Batch variance planted so that it happens on every host (tests/planted/batch_variance.py): a
+# prompt that starts decoding alone has its first near-tie overturned; in a batch nothing changes.
+# Real batch variance on CPUs depends on the host's rounding, which no test may count on.
+PLANTED_DIR = REPO / "tests" / "planted"
+PLANTED_BASELINE: dict[str, Any] = {
+    "engine_args": {**ENGINE_BASE["engine_args"], "logits_processors": ["batch_variance:AloneFlipsNearTie"]},
+    "env": {**ENGINE_BASE["env"], "PYTHONPATH": str(PLANTED_DIR)},
+}
 
+
+@pytest.fixture(scope="session")
+def alone_arm(fixture_model: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A project whose baseline carries the planted batch variance, its golden and the 'alone'
+    noise arm (the baseline, each prompt alone), made by one `regress golden`, once per session:
+    test_noise checks the arm, test_verdicts_engine scores its run as a batch-composition
+    candidate, test_diagnosis diagnoses a prompt that flips alone. Returns (the project's root,
+    the command's result)."""
     from report_fixtures import NO_SEMANTIC
 
     root = tmp_path_factory.mktemp("alone-arm")
-    shutil.copytree(workspace / "datasets", root / "datasets")
-    shutil.copytree(golden_dir, root / "golden")  # the session golden stays clean
-    params = yaml.safe_load((workspace / "params.yaml").read_text())
-    params.update(candidates={}, thresholds={"near_tie_margin": 0, "metrics": NO_SEMANTIC},
-                  noise={"arms": ["alone"]})
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
-    return root, run_cli("noise", cwd=root)
+    write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)
+    params = write_params(root, model=fixture_model, baseline=PLANTED_BASELINE, candidates={"alone": {}})
+    data = yaml.safe_load(params.read_text())
+    data.update(thresholds={"near_tie_margin": 0, "metrics": NO_SEMANTIC}, noise={"arms": ["alone"]})
+    params.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return root, run_cli("golden", cwd=root)
+
+
+@pytest.fixture(scope="session")
+def shared_engines():
+    """One warm-engine pool for the in-process runs of the whole session (regress.replay.warm):
+    the diagnosis lab and the sampled checks run the baseline's configuration on one engine
+    instead of starting their own. The engine starts that a plain run makes are kept by the
+    commands the tests run as a user would (`regress golden`, `check`, ...)."""
+    from regress.replay.warm import WarmEngines
+
+    with WarmEngines(keep=2) as engines:
+        yield engines
 
 
 @pytest.fixture(scope="session")

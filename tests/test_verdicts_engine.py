@@ -57,20 +57,27 @@ def test_dtype_change_is_noise_not_regression(verdict_workspace):
     assert metrics["same_top1_rate"] > 0.99 and metrics["mean_teacher_forced_kl"] < 0.005
 
 
-def test_batch_composition_change_is_noise_not_regression(verdict_workspace, alone_arm):
-    # Every prompt alone in its batch instead of 16 at a time: the baseline's 'alone' noise arm
-    # (conftest.alone_arm, the same replay test_noise checks), scored here as a candidate.
+def test_batch_composition_change_is_noise_not_regression(alone_arm, tmp_path):
+    # Every prompt alone in its batch instead of 16 at a time: the 'alone' noise arm of a baseline
+    # with planted batch variance (conftest.alone_arm, the same replay test_noise checks), scored
+    # here as a candidate with the default thresholds and no noise floor.
     import shutil
 
     arm_root, result = alone_arm
     assert result.returncode == 0, result.stderr
-    shutil.copytree(arm_root / "golden" / "noise-arms" / "alone", verdict_workspace / "runs" / "alone")
-    result = run_cli("score", "same", "--run", "runs/alone", "--out", "reports/alone", cwd=verdict_workspace)
+    root = tmp_path / "ws"
+    shutil.copytree(arm_root, root)
+    (root / "golden" / "noise.json").unlink()
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params.pop("thresholds")
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = run_cli("score", "alone", "--run", "golden/noise-arms/alone", "--out", "reports/alone", cwd=root)
     assert result.returncode == 0, result.stderr
-    report = read_scored_run(verdict_workspace / "reports" / "alone")
+    report = read_scored_run(root / "reports" / "alone")
     assert report.run.layout.shard_size == 1 and len(report.run.layout.shards) == 40
     classes = Counter(s.prompt_class for s in report.scores)
     assert classes["regression"] == 0 and classes["identical"] >= 30
+    assert classes["identical"] < 40  # the planted variance flipped at least one prompt
     assert report.metrics.verdict == "pass"
 
 
