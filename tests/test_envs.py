@@ -54,6 +54,7 @@ def test_list_and_remove(tmp_path, monkeypatch):
     assert not path.exists() and list_envs() == []
 
 
+@pytest.mark.envs  # a real pip run into a new venv
 def test_failed_install_is_a_clear_error_naming_the_spec_and_leaves_nothing(tmp_path):
     env = {"REGRESS_HOME": str(tmp_path)}
     result = run_cli("env", "create", "regress-test-no-such-package-qq==1.0", env=env, timeout=600)

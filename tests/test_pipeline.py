@@ -17,7 +17,7 @@ import yaml
 
 from conftest import REPO
 
-pytestmark = [pytest.mark.engine, pytest.mark.envs]
+pytestmark = [pytest.mark.engine, pytest.mark.envs, pytest.mark.real_model]  # dvc repro builds SmolLM2
 
 
 def _copy_repository(dest: Path) -> None:

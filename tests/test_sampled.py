@@ -206,15 +206,12 @@ def sampled_workspace(tmp_path_factory: pytest.TempPathFactory, fixture_model: P
     return root
 
 
-@pytest.fixture(scope="module")
-def warm_engines():
-    """One engine for the module's checks: the candidates differ from the baseline only in
-    sampling, which is applied per request, so the baseline's engine serves them all (and the
-    baseline's scoring of the candidates' samples)."""
-    from regress.replay.warm import WarmEngines
-
-    with WarmEngines(keep=1) as engines:
-        yield engines
+@pytest.fixture
+def warm_engines(shared_engines):
+    """The session's engines (conftest.shared_engines): the candidates differ from the baseline
+    only in sampling, which is applied per request, so the baseline's engine serves them all (and
+    the baseline's scoring of the candidates' samples)."""
+    return shared_engines
 
 
 @pytest.mark.engine
