@@ -16,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
-from regress.cli_output import print_diagnosis, print_noise_floor, print_scores, summarise_run
+from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION
 from regress.progress import print_error, stderr_console
 
@@ -36,10 +36,6 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def _out(message: str) -> None:
-    typer.echo(message)
 
 
 # --------------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ from pathlib import Path
 import typer
 
 
+
+def out(message: str) -> None:
+    """One line of a command's output on stdout (progress and errors go to stderr)."""
+    typer.echo(message)
+
 def _out(message: str) -> None:
     typer.echo(message)
 

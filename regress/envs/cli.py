@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from regress.cli_options import ParamsOption
+from regress.cli_output import out as _out
 from regress.errors import RegressError
 from regress.progress import stderr_console
 
@@ -18,10 +19,6 @@ env_app = typer.Typer(
     no_args_is_help=True,
 )
 
-
-
-def _out(message: str) -> None:
-    typer.echo(message)
 
 
 def _env_spec(target: str, params: Path):  # type: ignore[no-untyped-def]
