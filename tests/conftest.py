@@ -16,6 +16,11 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+# One OpenMP thread for every engine the suite starts (and for torch in the test processes).
+# Two pytest workers share 2 cores: an engine's two OpenMP threads spin at every barrier while the
+# other worker holds a core, which made SmolLM2's generation 5x slower (16 instead of 87 tokens/s,
+# docs/benchmarks.md "Test suite"). Engine subprocesses inherit it; a candidate's own `env` wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts  # noqa: E402
 
 # Engine settings every test candidate shares: CPU KV cache of 1 GiB (the default fraction of
@@ -108,7 +113,7 @@ def _join_xdist_group(item: pytest.Item, group: str, config: pytest.Config) -> N
     pytest 9.2 no longer reads (it keeps a structured ``Item._id``): without this, the groups
     were silently ignored and both workers built the whole pipeline."""
     item.add_marker(pytest.mark.xdist_group(group))
-    if not config.getvalue("loadgroup") or item.nodeid.endswith("@" + group):
+    if not getattr(config.option, "loadgroup", False) or item.nodeid.endswith("@" + group):
         return
     if hasattr(item, "_id"):
         from _pytest.nodeid import NodeId
@@ -123,12 +128,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, fixtures in STARTS.items():
             if used & fixtures and not item.get_closest_marker(marker):
                 item.add_marker(marker)
-        if any(item.get_closest_marker(marker) for marker in HEAVY):
-            # With pytest-xdist (scripts/test runs two workers) the heavy tests stay together on
-            # one worker, in one session, sharing its engines, golden and workers, while the fast
-            # tests run on the other. Two heavy groups side by side (the real model's pipeline
-            # apart from the fixture model's tests) were slower on 2 cores: two engines at once
-            # took the pipeline's `dvc repro` from 8 to over 25 minutes.
+        if item.get_closest_marker("real_model"):
+            # With pytest-xdist (scripts/test runs two workers) the real model's tests (the
+            # pipeline's `dvc repro` and SmolLM2's build) stay together on one worker and the
+            # fixture model's heavy tests on the other, each group in one session sharing its
+            # engines, golden and workers; the fast tests fill in around them. Side by side only
+            # with one OpenMP thread per engine (above): with two, the groups took 32 minutes.
+            _join_xdist_group(item, "real-model", config)
+        elif any(item.get_closest_marker(marker) for marker in HEAVY):
             _join_xdist_group(item, "heavy", config)
         else:
             item.add_marker("fast")
