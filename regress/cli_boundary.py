@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from regress.errors import EXIT_INPUT, RegressError
-from regress.progress import print_error, stderr_console
+from regress.progress import guard_log_output, print_error, stderr_console
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:
@@ -94,6 +94,7 @@ EXIT_INTERRUPTED = 130
 def run_app(typer_app: typer.Typer) -> None:
     """Run ``typer_app`` and exit with the code the project's conventions give: the regress
     error's own, 2 for usage errors, 130 when interrupted, 3 with a crash log for anything else."""
+    guard_log_output()
     try:
         code = typer_app(standalone_mode=False)
     except RegressError as exc:

@@ -1,6 +1,8 @@
 """What the commands print: a run's summary, a candidate's scores, a diagnosis, a noise floor.
 
-Plain lines on stdout; progress and errors go to stderr (:mod:`regress.progress`).
+Plain lines on stdout; progress and errors go to stderr (:mod:`regress.progress`). A score's
+reasons and a diagnosis quote model outputs and token texts (a served candidate's answer), so
+what these print goes through :func:`regress.untrusted.printable`.
 """
 
 from __future__ import annotations
@@ -9,14 +11,23 @@ from pathlib import Path
 
 import typer
 
+from regress.untrusted import printable
 
 
 def out(message: str) -> None:
-    """One line of a command's output on stdout (progress and errors go to stderr)."""
-    typer.echo(message)
+    """One line of a command's output on stdout (progress and errors go to stderr). Anything in
+    it may come from a remote answer (a model's tokenizer files, a served candidate's outputs), so
+    control characters and workflow commands are neutralised; JSON stays JSON."""
+    typer.echo(printable(message))
 
-def _out(message: str) -> None:
-    typer.echo(message)
+
+_out = out
+
+
+def workflow_command(line: str) -> None:
+    """A GitHub Actions workflow command regress means to send (``regress gate --annotate``):
+    printed as it is; its data must be escaped already (:mod:`regress.report.annotations`)."""
+    typer.echo(line)
 
 
 def summarise_run(manifest, out_dir: Path) -> None:  # type: ignore[no-untyped-def]

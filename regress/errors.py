@@ -17,6 +17,8 @@ exit code; users never see a traceback for their own mistakes.
     │   └── UnknownPluginError        a backend, metric or trigger name nobody registered
     ├── RunError            exit 3    the check could not run; retrying may help
     │   ├── CandidateEnvError         creating a candidate's virtual environment failed
+    │   │   ├── TransientEnvError     ... for a passing reason: a retry may succeed (index down, disk full)
+    │   │   └── UnresolvableEnvError  ... because the requirement cannot be installed here at all
     │   ├── EngineError               the engine failed to start or died (names the candidate)
     │   ├── ProtocolError             a message between orchestrator and engine process broke the
     │   │                             protocol (internal: the client turns it into EngineError)
@@ -25,14 +27,19 @@ exit code; users never see a traceback for their own mistakes.
     │   ├── ShardsFailedError         shards of a run failed on the workers (names each)
     │   ├── ShardFailed               one shard failed on a worker (crosses the result backend)
     │   ├── ServerHTTPError           a served candidate's server answered with an error status (names the URL)
+    │   ├── ServerReplyError          a served candidate's server answered something regress will not score
     │   ├── PackageIndexError         the package index is unreachable or answered nonsense (names the URL)
     │   ├── WatchStateError           the watcher's state store is unreachable or holds a malformed record
     │   ├── PostError                 a webhook or GitHub API POST failed (status and body when answered)
     │   ├── CheckCommandFailed        watch.check_command could not run or exited neither 0 nor 1
     │   ├── CheckFailed               a release's check could not run on a Celery worker
     │   └── MessageRefused            a worker refused a broker message (unsigned, forged, unsafe)
+    │   └── PhaseDeadlineExceeded     a phase of a command ran past its deadline (names the phase)
     │   └── IntegrityError            a shard of a complete run is not what its manifest recorded
+    │   └── MeasureError              a metric value is NaN or infinite where its spec says it cannot be judged
+    ├── ProjectLocked       exit 2    another regress command is writing the project (names it)
     └── StorageError        exit 2    a results directory or state file is missing, incomplete or corrupt
+        └── NoiseFloorError           golden/noise.json is not the one `regress noise` recorded for this golden
 
 Exit code 1 is reserved for "a regression was found": it is a verdict, not an error. Any
 exception that is *not* a :class:`RegressError` is a bug (in regress or a plugin) or a failure
@@ -159,6 +166,27 @@ class CandidateEnvError(RunError):
     """Creating or using a candidate's virtual environment failed."""
 
 
+class TransientEnvError(CandidateEnvError):
+    """Building a candidate's environment failed for a reason that says nothing about the
+    requirement: the package index unreachable or answering errors, the network, a full disk, a
+    timeout, pip killed. A retry may succeed (a bisect retries the version when resumed).
+    ``cause`` says which, in a few words."""
+
+    def __init__(self, message: str, cause: str = "a passing failure: a retry may succeed"):
+        self.cause = cause
+        super().__init__(message)
+
+
+class UnresolvableEnvError(CandidateEnvError):
+    """The requirement cannot be installed here, whenever it is tried: no such release, no
+    distribution for this platform or Python, requirements that conflict, a build that fails, an
+    install that cannot import what an engine needs. ``cause`` says which, in a few words."""
+
+    def __init__(self, message: str, cause: str = "the requirement cannot be installed"):
+        self.cause = cause
+        super().__init__(message)
+
+
 class EngineError(RunError):
     """The engine failed to start, rejected a request, or died. Names the candidate."""
 
@@ -206,6 +234,30 @@ class ServerHTTPError(RunError):
         super().__init__(f"{url} answered HTTP {status}: {body[:500]}")
 
 
+class ServerReplyError(RunError):
+    """A server replayed through (``backend: server``) answered something regress will not score:
+    not JSON, past its size limit, a stream cut short, a logprob that is not a finite number <= 0,
+    a token id outside the vocabulary, rows that do not match the tokens. Names the URL and, once
+    known, the prompt: the backend knows only the request's place in its batch (``index``), the
+    engine process names the prompt (:meth:`located`). Exit 3, never a score."""
+
+    def __init__(self, problem: str, *, url: str | None = None, prompt: str | None = None,
+                 index: int | None = None):
+        self.problem, self.url, self.prompt, self.index = problem, url, prompt, index
+        where = f"the server at {url}" if url else "the server"
+        if prompt is not None:
+            where += f", prompt '{prompt}'"
+        elif index is not None:
+            where += f", request {index} of the batch"
+        super().__init__(f"{where}: {problem}")
+
+    def located(self, *, url: str | None = None, prompt: str | None = None,
+                index: int | None = None) -> "ServerReplyError":
+        """The same problem with the URL, prompt or index filled in where still unknown."""
+        return ServerReplyError(self.problem, url=self.url or url, prompt=self.prompt or prompt,
+                                index=self.index if self.index is not None else index)
+
+
 class PackageIndexError(RunError):
     """The package index could not be reached or gave an answer that is not a PEP 691 project
     page (or holds absurd values). Names the URL (without credentials). A retry (the next tick)
@@ -247,6 +299,22 @@ class IntegrityError(RunError):
     the user's input is fine, the stored run is not (re-run it, or restore it from DVC)."""
 
 
+class MeasureError(RunError):
+    """A metric value is NaN or infinite and its spec says that means the measure could not be
+    taken (``nonfinite="error"``, :class:`regress.metrics.spec.Output`): no verdict comes from a
+    broken measure. Names the prompt and the value."""
+
+
+class PhaseDeadlineExceeded(RunError):
+    """A phase of a command (environment, engine start, generation, teacher forcing, scoring,
+    report) did not finish within its deadline (:mod:`regress.watchdog`): it hung, or it is
+    slower than its limit allows. Names the phase, the limit and how to raise it."""
+
+    def __init__(self, message: str, phase: str = "", limit_s: float = 0.0):
+        self.phase, self.limit_s = phase, limit_s
+        super().__init__(message)
+
+
 class MessageRefused(RunError):
     """A worker refused a broker message before running anything: unsigned, tampered, signed
     with another key, stale, or asking for what a message may not choose (a command, a path
@@ -254,7 +322,21 @@ class MessageRefused(RunError):
     string argument, so it crosses the JSON result backend intact."""
 
 
+class ProjectLocked(RegressError):
+    """Another regress command holds the project's lock (:mod:`regress.project_lock`): it is
+    writing the same runs, scores, reports or bisect state. Names it (pid, command). Exit 2: run
+    the command again once that one has finished."""
+
+    exit_code = EXIT_INPUT
+
+
 class StorageError(RegressError):
     """A results directory is missing, incomplete or does not parse."""
 
     exit_code = EXIT_INPUT
+
+
+class NoiseFloorError(StorageError):
+    """``golden/noise.json`` (which widens thresholds) is not the file ``regress noise`` recorded in
+    the golden's manifest: measured against another golden, changed since, or never recorded.
+    Names the file; never used then (run ``regress noise`` again)."""

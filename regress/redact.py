@@ -28,12 +28,112 @@ _SECRET_PARAMETER = re.compile(
     r"(?P<name>[?&;](?:[A-Za-z0-9_.-]*?(?:passw(?:or)?d|pwd|token|secret|api[_-]?key|apikey|signature|sig|"
     r"credential|auth)[A-Za-z0-9_.-]*|key|code)=)(?P<value>[^&#\s'\"<>]*)",
     re.IGNORECASE)
-# An Authorization header as a line (``Authorization: Bearer x``), a dict repr
-# (``'Authorization': 'Basic x'``) or a curl-like ``-H``: the scheme word and the credential.
-_AUTH_HEADER = re.compile(
-    r"(?P<name>\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?)"
-    r"(?P<value>(?:(?:basic|bearer|token|digest|negotiate)\s+)?[^\s\"',}]+)",
+# ``name: value`` / ``name=value`` wherever a credential is written under a name: a header line
+# (``X-Api-Key: k``, ``Authorization: Bearer k``), JSON or a dict's repr (``"api_key": "k"``,
+# ``'token': 'k'``, escaped quotes included), YAML (``password: k``), an environment dump
+# (``HF_TOKEN=k``, ``export DB_PASSWORD='k'``), a flag (``--api-key=k``). Which names hold a
+# credential is :func:`secret_name`'s; the value is a quoted string or one word (after an auth
+# scheme word, the word after it).
+_NAME = re.compile(r"""(?<![\w.\-\\])(?P<quote>\\*["'])?(?P<name>-{0,2}[A-Za-z_][\w.\-]*)(?:\\*["'])?[ \t]*(?P<op>[:=])[ \t]*""")
+_VALUE = re.compile(
+    r"""(?P<quoted>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')|(?P<eq>\\+["']).*?(?P=eq)"""
+    r"""|(?:(?:basic|bearer|token|digest|negotiate|apikey)[ \t]+)?(?![=:])[^\s"',;}&<>]+""",
     re.IGNORECASE)
+# ``--name value``: a secret flag and the word after it.
+_FLAG = re.compile(r"(?<![\w-])(?P<name>--[A-Za-z][\w-]*)(?P<sep>[ \t]+)(?P<value>[^\s\-\"'][^\s\"']*)")
+# A bearer token on its own (``Bearer k`` without a header name).
+_BEARER = re.compile(r"(?<![\w-])(?P<scheme>bearer)(?P<sep>[ \t]+)(?P<value>[A-Za-z0-9._~+/=\-]+)", re.IGNORECASE)
+# Credentials recognisable by their own shape, wherever they stand: GitHub, GitLab, Hugging Face,
+# OpenAI-style and Slack tokens, AWS access key ids, JSON Web Tokens.
+_SHAPED = re.compile(
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}"
+    r"|sk-(?:proj-|ant-)?[A-Za-z0-9_\-]{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16}"
+    r"|eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,})")
+
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+# Last words of names that hold a credential, and long words that do inside one (``dbpassword``).
+_SECRET_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "secrets", "token", "apikey", "credential",
+                           "credentials", "authorization", "auth", "oauth", "cookie", "signature", "privatekey",
+                           "accesskey", "secretkey"})
+_SECRET_PARTS = ("password", "passwd", "passphrase", "secret", "apikey", "credential")
+# ``<word>_token`` and ``<word>_key`` that are no credential: a tokenizer's special tokens, counts
+# and positions of tokens; keys of caches, tables, routes and maps, and public keys.
+_NOT_TOKEN = frozenset({"bos", "eos", "pad", "unk", "sep", "cls", "mask", "special", "start", "end", "stop", "first",
+                        "last", "next", "prev", "max", "min", "num", "per", "added", "decoder", "vocab", "output",
+                        "input", "prompt", "sample", "golden", "candidate", "top", "chosen", "image", "audio"})
+_NOT_KEY = frozenset({"cache", "sort", "primary", "foreign", "partition", "shard", "group", "lookup", "dict", "hash",
+                      "routing", "sample", "prompt", "metric", "row", "column", "index", "map", "join", "unique",
+                      "public", "kv", "value", "query", "object", "bucket", "plan", "dedup", "idempotency", "sampling",
+                      "dataset", "config", "field", "json", "yaml", "table", "result"})
+_BEARER_WORDS = frozenset({"token", "tokens", "auth", "authentication", "authorization", "scheme", "header",
+                           "credential", "credentials", "of", "the", "a", "an", "and", "or", "is", "to", "for", "in",
+                           "as", "with", "on"})
+
+
+def secret_name(name: str, *, assigned: bool = False) -> bool:
+    """Whether a value written under ``name`` is a credential: its last word is one (``password``,
+    ``secret``, ``token``, ``auth``, ``cookie``, ``signature``...), or ``key``/``pass``/``pwd``
+    after another word (``X-Api-Key``, ``AWS_SECRET_ACCESS_KEY``, ``DB_PASS``), or it is one of
+    regress's secret variables assigned (:func:`is_secret_variable`: ``REGRESS_WEBHOOK_URL=``).
+    Not: a tokenizer's ``bos_token``, ``max_tokens``, ``cache_key``, a ``public_key``,
+    ``TOKEN_FILE`` or ``api_key_env`` (which name where a secret is, not the secret).
+    ``assigned``: written ``name=value``, where a bare ``key`` is a credential too (as in a query
+    string)."""
+    bare = name.lstrip("-")
+    words = [w.lower() for w in _WORD.findall(bare)]
+    if not words:
+        return False
+    last, before = words[-1], (words[-2] if len(words) > 1 else None)
+    if assigned and bare.upper() == bare and not bare.upper().endswith("_FILE") and is_secret_variable(bare):
+        return True  # an environment dump: REGRESS_WEBHOOK_URL=... (its path is the secret)
+    if last == "token":
+        return before not in _NOT_TOKEN
+    if last in _SECRET_WORDS or any(part in last for part in _SECRET_PARTS):
+        return True
+    if last == "key":
+        return (before is not None and before not in _NOT_KEY) or (before is None and assigned)
+    return last in ("pass", "pwd") and before is not None
+
+
+def _named(text: str) -> str:
+    """Every value under a credential's name masked (quotes kept). Names are found one by one,
+    each match only the name and its ``:``/``=``, so a credential inside another name's value
+    (``error: token=k``) is still found."""
+    out: list[str] = []
+    pos = 0
+    for name in _NAME.finditer(text):
+        if name.start() < pos or not secret_name(name.group("name"), assigned=name.group("op") == "="):
+            continue
+        value = _VALUE.match(text, name.end())
+        if value is None or value.group().startswith(MASK):  # masked already (a URL's query: ``token=***#frag``)
+            continue
+        if name.group("quote") and not value.group("quoted") and not value.group("eq") and value.group().isalpha():
+            continue  # "field 'api_token': must be ...": a message after a quoted name, no JSON value
+        if value.group("quoted"):
+            masked = value.group()[0] + MASK + value.group()[0]
+        elif value.group("eq"):
+            masked = value.group("eq") + MASK + value.group("eq")
+        else:
+            masked = MASK
+        out += [text[pos:name.end()], masked]
+        pos = value.end()
+    return "".join(out) + text[pos:]
+
+
+def _flag(match: re.Match[str]) -> str:
+    if not secret_name(match.group("name")) or match.group("value") == MASK:
+        return match.group()
+    return match.group("name") + match.group("sep") + MASK
+
+
+def _bearer(match: re.Match[str]) -> str:
+    value, scheme = match.group("value"), match.group("scheme")
+    if value.lower() in _BEARER_WORDS or value == MASK:
+        return match.group()
+    # "Bearer k" as HTTP writes the scheme; in lower case only what looks like a token, not a word.
+    if scheme[0].islower() and not (re.search(r"[\d._~+/=\-]", value) or len(value) >= 16):
+        return match.group()
+    return scheme + match.group("sep") + MASK
 
 
 def _userinfo(match: re.Match[str]) -> str:
@@ -46,15 +146,22 @@ def _userinfo(match: re.Match[str]) -> str:
 def redact(text: str) -> str:
     """``text`` with every credential replaced by ``***``: the password of ``user:pass@`` in any
     URL (a lone ``token@`` whole), credential query parameters (``?password=``, ``?token=``,
-    ``access_token``, ``api_key``, ``sig``...) and ``Authorization`` header values.
+    ``access_token``, ``api_key``, ``sig``...), values written under a credential's name in a
+    header, JSON, a dict's repr, YAML, an environment dump or a flag (``X-Api-Key: k``,
+    ``"api_key": "k"``, ``HF_TOKEN=k``, ``--password k``: :func:`secret_name`), a bare
+    ``Bearer k``, and tokens recognisable by their shape (``ghp_...``, ``hf_...``, ``sk-...``,
+    ``AKIA...``, JWTs).
 
-    Idempotent, and safe on text holding no URL at all.
+    Idempotent, and safe on text holding no credential at all.
     """
     if not text:
         return text
     text = _USERINFO.sub(_userinfo, text)
     text = _SECRET_PARAMETER.sub(lambda m: m.group("name") + MASK, text)
-    return _AUTH_HEADER.sub(lambda m: m.group("name") + MASK, text)
+    text = _named(text)
+    text = _FLAG.sub(_flag, text)
+    text = _BEARER.sub(_bearer, text)
+    return _SHAPED.sub(MASK, text)
 
 
 def has_credentials(text: str) -> bool:

@@ -19,10 +19,11 @@ from regress.metrics.aggregate import aggregates
 from regress.metrics.answers import matching_answer
 from regress.metrics.base import MetricInfo, Pair
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
+from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
 from regress.runs import RunResult, golden_scored
 from regress.storage import atomic_write_text, read_record
-from regress.verdict import Thresholds, classify, run_verdict
+from regress.verdict import Thresholds, classify, nonfinite, run_verdict
 
 if TYPE_CHECKING:
     from regress.noise.floor import NoiseFloor
@@ -150,10 +151,17 @@ def score_runs(
     expected = expected or {}
     scores = []
     counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
+    unforced: list[str] = []
+    broken: list[str] = []
     for unit in prompt_units(pairs, values):
         pair, row = unit.pairs[0], unit.row
         own = envelopes.get(unit.prompt_id)
-        klass, reasons = classify(row, t if own is None else noise_floor.prompt_thresholds(t, own, noise.k))
+        klass, reasons = classify(row, t if own is None else noise_floor.prompt_thresholds(t, own, noise.k),
+                                  prompt_id=unit.prompt_id)
+        if not_teacher_forced(row):
+            unforced.append(unit.prompt_id)
+        if nonfinite(row):
+            broken.append(unit.prompt_id)
         if own is not None and klass == "benign" and classify(row, t)[0] != "benign":
             reasons = [noise_floor.envelope_reason(own)]
             made_benign.append(unit.prompt_id)
@@ -173,7 +181,8 @@ def score_runs(
 
     stats = run_stats(counts, answers, t.confidence)
     verdict, verdict_reasons = run_verdict(counts, t, answers=answers, stats=stats,
-                                           allow_input_drift=run.manifest.candidate.allow_input_drift)
+                                           allow_input_drift=run.manifest.candidate.allow_input_drift,
+                                           not_teacher_forced=unforced, nonfinite_ids=broken)
     sampled_failure, sampled_note = run_shift(scores, t)
     if sampled_failure:
         verdict_reasons = [sampled_failure] + (verdict_reasons if verdict == "fail" else verdict_reasons[1:])
@@ -200,6 +209,10 @@ def score_runs(
         golden_peak_memory_mib=gm.memory.peak_rss_mib,
         **answers,
         **stats,
+        not_teacher_forced=len(unforced),
+        not_teacher_forced_ids=unforced,
+        nonfinite=len(broken),
+        nonfinite_ids=broken,
         extra=extra,
         **_latency_fields(golden, run, t),
     )

@@ -22,6 +22,12 @@ regression bounds (:class:`regress.metrics.spec.Output`), and rules over several
 (vLLM's top-k check) come with their metric; :func:`classify` walks them in metric order, and
 :data:`Thresholds` is built from the settings they declare.
 
+A value that is NaN or infinite is never noise, whatever the class would otherwise be: NaN
+compares false with every bound, so it would pass them all. Each value's spec says what it means
+(``nonfinite``): the measure could not be taken (:class:`~regress.errors.MeasureError`, exit 3)
+or the candidate's answer is broken (a regression). :func:`past` counts such a value as past
+every bound too, so no comparison here can take one for "within".
+
 A single flipped token at a near-tie changes everything after it, so the free-running output
 alone cannot tell noise from damage; the teacher-forced measures (scored on the golden's own
 completion, no cascade) carry most of the decision. See docs/verdicts.md for how the default
@@ -46,12 +52,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from regress.errors import ConfigError
+from regress.errors import ConfigError, MeasureError
 from regress.metrics import registered
 from regress.metrics.spec import Bound, Output, Rule, Setting
 from regress.records import MetricValue, PromptClass
@@ -170,14 +176,68 @@ def gates() -> tuple[Output | Rule, ...]:
 
 
 def number(value: Any) -> float | None:
-    """``value`` if it is a real number to compare (not a bool, not missing); NaN compares false anyway."""
+    """``value`` if it is a real number (not a bool, not missing), NaN and infinities included:
+    :func:`nonfinite` says what those mean before any bound is compared."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return value
 
 
+def finite(value: Any) -> bool:
+    """Whether ``value`` is not a NaN or infinite number (missing values and flags are finite)."""
+    v = number(value)
+    return v is None or math.isfinite(v)
+
+
+@functools.lru_cache(maxsize=1)
+def _declared() -> dict[str, tuple[str, Output]]:
+    """Value name -> (metric name, spec), first declaration of a name winning."""
+    found: dict[str, tuple[str, Output]] = {}
+    for info in registered():
+        for spec in info.values:
+            found.setdefault(spec.name, (info.name, spec))
+    return found
+
+
+def nonfinite(values: Mapping[str, Any]) -> list[tuple[str, float, str | None, Output]]:
+    """(name, value, metric, spec) of every NaN or infinite value of one prompt, in the row's order.
+    A value no registered metric declares gets the default spec (``nonfinite="error"``)."""
+    declared = _declared()
+    found = []
+    for name, value in values.items():
+        if finite(value):
+            continue
+        metric, spec = declared.get(name, (None, Output(name, "")))
+        found.append((name, float(value), metric, spec))
+    return found
+
+
+def _shown(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
+
+
+def _nonfinite_findings(values: Mapping[str, Any], prompt_id: str | None) -> list[str]:
+    """Regression reasons of the non-finite values whose spec makes them regressions; raises
+    :class:`MeasureError` for the first whose spec says the measure could not be taken."""
+    reasons = []
+    for name, value, metric, spec in nonfinite(values):
+        label = spec.shown_label if spec.shown_label == name else f"{spec.shown_label} ({name})"
+        if spec.nonfinite == "error":
+            who = f"prompt '{prompt_id}'" if prompt_id is not None else "a prompt"
+            by = f"metric '{metric}'" if metric else "no registered metric (it declares no meaning for it)"
+            raise MeasureError(f"{who}: {label} is {_shown(value)}, not a number regress can judge ({by}); "
+                               "no verdict from a broken measure: check both runs' logprobs and outputs")
+        reasons.append(f"{label} is {_shown(value)}: not a finite number, so never within a bound "
+                       "(the candidate's answer is broken)")
+    return reasons
+
+
 def past(spec: Output, bound: Bound, value: float, limit: float) -> bool:
-    """Whether ``value`` is beyond ``limit`` against the value's direction."""
+    """Whether ``value`` is beyond ``limit`` against the value's direction. A NaN or infinite
+    value (or limit) is past every bound: NaN compares false with everything, and a number that
+    is not finite is no measurement within any tolerance."""
+    if not (math.isfinite(value) and math.isfinite(limit)):
+        return True
     if spec.better == "lower":
         return value >= limit if bound.inclusive else value > limit
     return value <= limit if bound.inclusive else value < limit
@@ -205,8 +265,15 @@ def near_tie(values: Mapping[str, Any], t: Any) -> bool:
     return margin is not None and margin < t.near_tie_margin
 
 
-def classify(values: dict[str, MetricValue], t: Any) -> tuple[PromptClass, list[str]]:
-    """Class of one prompt from its metric values, with the reasons."""
+def classify(values: dict[str, MetricValue], t: Any, *,
+             prompt_id: str | None = None) -> tuple[PromptClass, list[str]]:
+    """Class of one prompt from its metric values, with the reasons.
+
+    A NaN or infinite value comes first, before input drift and identity: a regression when its
+    spec says so, else :class:`MeasureError` (naming ``prompt_id``)."""
+    broken = _nonfinite_findings(values, prompt_id)
+    if broken:
+        return "regression", broken
     if values.get("input_drift"):
         return "input_drift", ["prompt token ids differ from the golden's (tokenizer or chat template changed)",
                                *_outputs_of_input_drift(values)]
@@ -259,9 +326,10 @@ def severity(values: Mapping[str, Any], t: Any) -> float:
 
     For every value with a regression bound, the way from its ideal value (``best``) to the value
     as a share of the way to the bound (KL / regression_kl, (1 - same top-1) / (1 - regression_same_top1),
-    ...); 1 for a rule that finds a regression.
+    ...); 1 for a rule that finds a regression, and for a NaN or infinite value (a regression by
+    its spec: :func:`classify`).
     """
-    ratios = [0.0]
+    ratios = [1.0 if nonfinite(values) else 0.0]
     for step in gates():
         if isinstance(step, Rule):
             if step.check(values, t)[0]:
@@ -287,7 +355,9 @@ def count_gate(t: Any) -> bool:
 def run_verdict(counts: dict[str, int], t: Any, *,
                 answers: Mapping[str, Any] | None = None,
                 stats: Mapping[str, Any] | None = None,
-                allow_input_drift: bool = False) -> tuple[str, list[str]]:
+                allow_input_drift: bool = False,
+                not_teacher_forced: Sequence[str] = (),
+                nonfinite_ids: Sequence[str] = ()) -> tuple[str, list[str]]:
     """``pass`` or ``fail`` for the run, with reasons.
 
     Prompts whose input tokens changed (``input_drift``: tokenizer, chat template, special tokens)
@@ -300,6 +370,10 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     reasons are those of the classes alone. ``stats`` holds the interval fields of
     :func:`regress.stats.run_stats` (computed here when a rate gate is set and they are not given):
     the rate gates fail on an interval's lower bound, and the answers' note gets the McNemar p-value.
+
+    ``not_teacher_forced``: the prompts the teacher-forcing pass could not score (their context did
+    not fit), and ``nonfinite_ids``: the prompts with a NaN or infinite measure (regressions); both
+    are stated among the reasons, pass or fail, never dropped.
     """
     if stats is None and (t.max_regression_rate is not None or t.max_answer_flip_rate is not None):
         from regress.stats import run_stats
@@ -323,6 +397,7 @@ def run_verdict(counts: dict[str, int], t: Any, *,
         failures.append(f"{drifted} prompt(s) changed their input tokens (tokenizer, chat template or special tokens; "
                         "`regress diff` names what differs): set allow_input_drift: true on the candidate to accept it")
     notes = _answer_notes(answers, t, failed=bool(answer_failure), stats=stats)
+    notes += _unmeasured_notes(not_teacher_forced, nonfinite_ids)
     if failures:
         return "fail", failures + notes
     if by_count:
@@ -335,6 +410,28 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     return "pass", reasons + notes
 
 
+SHOWN_IDS = 5
+"""Prompt ids named in a reason before "and N more"."""
+
+
+def _ids(ids: Sequence[str]) -> str:
+    shown = ", ".join(ids[:SHOWN_IDS])
+    return shown + (f" and {len(ids) - SHOWN_IDS} more" if len(ids) > SHOWN_IDS else "")
+
+
+def _unmeasured_notes(not_teacher_forced: Sequence[str], nonfinite_ids: Sequence[str]) -> list[str]:
+    """What could not be measured, in the run's reasons."""
+    notes = []
+    if nonfinite_ids:
+        notes.append(f"{len(nonfinite_ids)} prompt(s) with a measure that is NaN or infinite ({_ids(nonfinite_ids)}): "
+                     "regressions, left out of the run's means")
+    if not_teacher_forced:
+        notes.append(f"{len(not_teacher_forced)} prompt(s) could not be teacher-forced ({_ids(not_teacher_forced)}): "
+                     "prompt + golden completion do not fit the candidate's context (max_model_len), so they have "
+                     "no teacher-forced measure and none of them is benign")
+    return notes
+
+
 def _rate_gate(stats: Mapping[str, Any] | None, limit: float | None, name: str,
                label: str) -> tuple[bool, str] | None:
     """(failed, reason) of one rate gate; None when it is not set or has no prompts to rate."""
@@ -344,7 +441,7 @@ def _rate_gate(stats: Mapping[str, Any] | None, limit: float | None, name: str,
 
     low = stats[f"{name}_low"]
     shown = f"{label} {interval_text(stats[name], low, stats[f'{name}_high'], stats['confidence'])}"
-    if low > limit:
+    if math.isnan(low) or low > limit:  # NaN compares false: it must not pass
         return True, f"{shown} exceeds {pct(limit)} % at the lower bound"
     return False, f"{shown}: lower bound within {pct(limit)} %"
 
@@ -415,7 +512,7 @@ def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
             checked = True
             shown = (f"{label} {_seconds(getattr(latency.candidate, stat))} vs golden "
                      f"{_seconds(getattr(latency.golden, stat))} ({r:.2f}×)")
-            if r > max_ratio:
+            if math.isnan(r) or r > max_ratio:  # NaN compares false: it must not pass
                 failures.append(f"{shown} exceeds {max_ratio:g}× (max_latency_ratio)")
             else:
                 passes.append(f"{shown}: within {max_ratio:g}×")
@@ -430,7 +527,7 @@ def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
             checked = True
             shown = (f"throughput {latency.candidate.throughput_tokens_per_s:,.1f} tokens/s vs golden "
                      f"{latency.golden.throughput_tokens_per_s:,.1f} ({r:.2f}×)")
-            if r < min_throughput:
+            if math.isnan(r) or r < min_throughput:
                 failures.append(f"{shown} below {min_throughput:g}× (min_throughput_ratio)")
             else:
                 passes.append(f"{shown}: at least {min_throughput:g}×")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from regress.errors import ConfigError, ConfigProblems
+from regress.errors import ConfigError, ConfigProblems, NoiseFloorError
 from regress.noise.floor import (KL, SAME, NoiseArmResult, NoiseFloor, PromptNoise, build_floor, load_floor,
                                  noise_path, prompt_thresholds, quantile, run_thresholds, write_floor)
 from regress.noise.settings import NoiseSettings
@@ -73,14 +73,18 @@ def test_envelope_takes_the_worst_of_every_arm(case) -> None:  # type: ignore[no
         assert p.arms == (["alone"] if s.prompt_class != "identical" else [])
 
 
-def test_noise_json_is_written_atomically_and_a_stale_one_is_ignored(case, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    floor = build_floor("golden-1", [(_arm("alone", case.score), case.score)], k=2, q=0.95)
-    path = write_floor(floor, tmp_path)
-    assert path == noise_path(tmp_path) and json.loads(path.read_text())["golden_run_id"] == "golden-1"
-    assert load_floor(tmp_path, "golden-1") == floor
-    assert load_floor(tmp_path, "golden-2") is None
-    assert "stale" in capsys.readouterr().err
-    assert load_floor(tmp_path / "nothing", "golden-1") is None
+def test_noise_json_is_written_atomically_and_a_stale_one_is_refused(case, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    golden = tmp_path / "golden"
+    shutil.copytree(case.golden.path, golden)
+    run_id = case.golden.manifest.run_id
+    floor = build_floor(run_id, [(_arm("alone", case.score), case.score)], k=2, q=0.95)
+    path = write_floor(floor, golden)
+    assert path == noise_path(golden) and json.loads(path.read_text())["golden_run_id"] == run_id
+    assert load_floor(golden, run_id) == floor
+    # Measured against another golden: refused, naming the file (tests/test_noise_integrity.py).
+    with pytest.raises(NoiseFloorError, match="stale"):
+        load_floor(golden, "golden-2")
+    assert load_floor(tmp_path / "nothing", run_id) is None
 
 
 # ------------------------------------------------------------------ classification with a floor

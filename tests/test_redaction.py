@@ -158,3 +158,65 @@ def test_a_check_request_travels_without_the_state_password_or_the_webhook_path(
     assert wire_form(request).state == "redis://:***@redis.internal:6379/1"
     # What a worker compares with: its own configuration in the same form.
     assert wire_form(request) == wire_form(wire_form(request).model_copy(update={"state": request.state}))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # Headers whose name says key, token, secret or auth, in any case, with or without a space.
+    ("X-Api-Key: sk-live-1234", "X-Api-Key: ***"),
+    ("x-api-key:abc123", "x-api-key:***"),
+    ("X-Auth-Token: tok-99", "X-Auth-Token: ***"),
+    ("PRIVATE-TOKEN: glp-1", "PRIVATE-TOKEN: ***"),
+    ("X-Client-Secret: s3cr3t", "X-Client-Secret: ***"),
+    ("Ocp-Apim-Subscription-Key: 0123abcd", "Ocp-Apim-Subscription-Key: ***"),
+    ("X-Goog-Api-Key: AIzaXYZ", "X-Goog-Api-Key: ***"),
+    ("curl -H 'X-Vault-Token: hvs.abc' http://vault", "curl -H 'X-Vault-Token: ***' http://vault"),
+    ("Set-Cookie: session=abc123; Path=/", "Set-Cookie: ***; Path=/"),
+    # A bearer token on its own, and inside a sentence.
+    ("Bearer abc.def-123", "Bearer ***"),
+    ("the server rejected Bearer eyJhbGciOi.x.y here", "the server rejected Bearer *** here"),
+    # JSON, a dict's repr, escaped JSON inside a log line, YAML: quoted and unquoted, spaces in the value.
+    ('{"api_key": "sk-1", "model": "m"}', '{"api_key": "***", "model": "m"}'),
+    ('{"access_token":"a b c","n":1}', '{"access_token":"***","n":1}'),
+    ('{"password": 12345}', '{"password": ***}'),
+    ("{'client_secret': 'zz', 'user': 'ann'}", "{'client_secret': '***', 'user': 'ann'}"),
+    ('body={\\"apiKey\\": \\"k-2\\"}', 'body={\\"apiKey\\": \\"***\\"}'),
+    ("password: hunter2", "password: ***"),
+    ("  db_password: 'a b'", "  db_password: '***'"),
+    ("auth_token: t0k", "auth_token: ***"),
+    # Environment dumps and flags.
+    ("HF_TOKEN=hf_xyz PATH=/usr/bin", "HF_TOKEN=*** PATH=/usr/bin"),
+    ("export AWS_SECRET_ACCESS_KEY='wJalr/K7'", "export AWS_SECRET_ACCESS_KEY='***'"),
+    ('OPENAI_API_KEY="sk-x" DEBUG=1', 'OPENAI_API_KEY="***" DEBUG=1'),
+    ("SMTP_PASS=pw1 SMTP_HOST=mail", "SMTP_PASS=*** SMTP_HOST=mail"),
+    ("REGRESS_WEBHOOK_URL=https://hooks.example/T0/s3cret", "REGRESS_WEBHOOK_URL=***"),
+    ("vllm serve m --api-key sk-abc --port 8000", "vllm serve m --api-key *** --port 8000"),
+    ("--password=hunter2 --token-file /run/secret", "--password=*** --token-file /run/secret"),
+    # A credential after another name's colon is found too.
+    ("error: token=abc", "error: token=***"),
+    # Tokens with a shape of their own, wherever they are.
+    ("cloning with ghp_" + "a1" * 18 + " failed", "cloning with *** failed"),
+    ("key id AKIAIOSFODNN7EXAMPLE used", "key id *** used"),
+])
+def test_redact_hides_credentials_under_any_name_and_spelling(text, expected):
+    assert redact(text) == expected
+    assert redact(expected) == expected
+    assert has_credentials(text)
+
+
+@pytest.mark.parametrize("text", [
+    "max_tokens: 16, tokens_per_s=12.5, prompt_tokens: 5, output_tokens=7",
+    "bos_token: <s>, eos_token_id=2, pad_token: </s>, special_tokens_map.json",
+    "tokenizer: gpt2 (tokenizer_config.json changed)",
+    "num_key_value_heads: 8, kv_cache_dtype=fp8, cache_key=abc, routing_key: regress, public_key: ssh-ed25519",
+    "field 'server.api_key_env': the variable OPENAI_KEY is not set",
+    "REGRESS_BROKER_KEY_FILE=/run/secrets/key PWD=/home/ci OLDPWD=/tmp",
+    "the token is sent as a bearer token to its url; Bearer tokens expire",
+    "the secret file /x is empty; key: value; The author: Jane",
+    "WWW-Authenticate: Basic realm=\"index\"",
+    "field 'REGRESS_BROKER_URL': must be a redis://, rediss:// or unix:// URL",
+    "field 'watch.github_token': must be set",
+    "nothing secret here: 0.33.0 passed",
+])
+def test_redact_leaves_ordinary_text_alone(text):
+    assert redact(text) == text
+    assert not has_credentials(text)

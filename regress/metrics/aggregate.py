@@ -3,6 +3,12 @@
 :func:`aggregate` reduces one value (:class:`regress.metrics.spec.Aggregate`: a mean, median,
 extreme or rate, optionally weighted); :func:`aggregates` does it for every metric in force and
 sorts the results into metrics.json's own fields and its ``extra``.
+
+A NaN among the values makes :func:`aggregate`'s result NaN (never a mean of the others, which
+would look within bounds): a sampled prompt's row, reduced over its samples, stays broken for
+the verdict. The run's aggregates (:func:`aggregates`) leave such prompts out instead, so that
+metrics.json holds numbers; the verdict has classed them already and names them
+(``RunMetrics.nonfinite_ids``).
 """
 
 from __future__ import annotations
@@ -19,8 +25,13 @@ from regress.records import RunMetrics
 
 
 def _numbers(values: list[Any]) -> list[float]:
-    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and not (isinstance(v, float) and math.isnan(v))]
+    """The real numbers among ``values`` (no flags, no missing values), NaN and infinities kept."""
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _finite(value: Any) -> bool:
+    """Not a NaN or infinite number (missing values and flags count as finite)."""
+    return isinstance(value, bool) or not isinstance(value, float) or math.isfinite(value)
 
 
 def aggregate(spec: Output, rows: Sequence[dict[str, Any]]) -> float | None:
@@ -38,6 +49,8 @@ def aggregate(spec: Output, rows: Sequence[dict[str, Any]]) -> float | None:
     vals = _numbers([r.get(spec.name) for r in rows])
     if not vals:
         return None
+    if any(math.isnan(v) for v in vals):
+        return math.nan  # max()/min()/median with a NaN answer by its place in the list
     if a.how == "mean":
         return sum(vals) / len(vals)
     if a.how == "median":
@@ -64,5 +77,7 @@ def aggregates(infos: Sequence[MetricInfo], rows: Sequence[dict[str, Any]]) -> t
         for spec in info.values:
             key = spec.aggregate_key
             if key is not None:
-                (fields if _own_field(key) else extra)[key] = aggregate(spec, rows)
+                weight = spec.aggregate.weight if spec.aggregate else None
+                kept = [r for r in rows if _finite(r.get(spec.name)) and (weight is None or _finite(r.get(weight)))]
+                (fields if _own_field(key) else extra)[key] = aggregate(spec, kept)
     return fields, extra

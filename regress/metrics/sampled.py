@@ -79,19 +79,20 @@ _OUTPUTS = [
     Output("sample_logprob_golden", "mean raw logprob per token of the golden's samples (golden engine)",
            label="golden logprob/token"),
     Output("sample_logprob_candidate", "mean raw logprob per token of the candidate's samples, as the golden's model "
-           "scores them (else the candidate's own engine: sample_scored_by)", label="candidate logprob/token"),
+           "scores them (else the candidate's own engine: sample_scored_by)", label="candidate logprob/token",
+           nonfinite="regression"),
     Output("sample_likely_share", "share of the candidate's samples at least as likely per token as the golden's "
-           "least likely sample", label="likely share", format="pct", better="higher"),
+           "least likely sample", label="likely share", format="pct", better="higher", nonfinite="regression"),
     Output("sample_scored_by", "whose model scored the candidate's samples: 'golden' (the baseline fed them "
            "teacher-forced, golden-scored/) or 'candidate' (its own logprobs, when the replay has no golden scores)"),
     Output("sample_logprob_shift", "candidate minus golden mean logprob per token of their samples: below 0, the "
            "candidate samples less likely tokens (hotter, wider top-p); above 0, likelier ones",
-           label="logprob shift", headline=20,
+           label="logprob shift", headline=20, nonfinite="regression",
            aggregate=Aggregate("mean", key="mean_sample_logprob_shift", label="sampled logprob shift", rank=80,
                                doc="mean over sampled prompts of the candidate-minus-golden logprob per token",
                                shown_empty=False)),
     Output("sample_logprob_p", "two-sided Mann-Whitney U p-value of the two sides' per-sample mean logprobs",
-           label="shift p", format="num"),
+           label="shift p", format="num", nonfinite="regression"),
     Output("sample_semantic_golden", "mean embedding cosine between two golden samples", label="golden-golden cosine"),
     Output("sample_semantic_cross", "mean embedding cosine between a golden and a candidate sample",
            label="golden-candidate cosine"),
@@ -147,15 +148,23 @@ def sample_of(pair: Pair) -> tuple[int, int] | None:
     return int(data.get("sample") or 0), int(n)
 
 
+def _usable(lp: np.ndarray) -> np.ndarray:
+    """Logprobs to average: -inf left out (a token reported as impossible), NaN kept, so that a
+    broken logprob makes the measure NaN (a regression, :func:`regress.verdict.classify`) and is
+    never averaged away."""
+    return lp[~np.isneginf(lp)]
+
+
 def _mean_logprob(track: Any) -> float | None:
-    lp = np.asarray(track.token_logprobs, dtype=np.float64)
-    lp = lp[np.isfinite(lp)]
+    lp = _usable(np.asarray(track.token_logprobs, dtype=np.float64))
     return float(lp.mean()) if lp.size else None
 
 
 def _mann_whitney(a: list[float], b: list[float]) -> float | None:
     if len(a) < 2 or len(b) < 2:
         return None
+    if not all(math.isfinite(v) for v in a + b):
+        return math.nan
     from scipy.stats import mannwhitneyu
 
     if len(set(a) | set(b)) == 1:
@@ -196,16 +205,18 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
 
     def pooled(tracks: list[Any]) -> float | None:
         parts = [np.asarray(t.token_logprobs, dtype=np.float64) for t in tracks]
-        lp = np.concatenate(parts) if parts else np.zeros(0)
-        lp = lp[np.isfinite(lp)]
+        lp = _usable(np.concatenate(parts) if parts else np.zeros(0))
         return float(lp.mean()) if lp.size else None
 
     g_mean = pooled([p.golden.free_run for p in group])
     c_mean = pooled(cand_tracks)
     likely = None
     if golden_lp and cand_lp:
-        least = min(golden_lp)
-        likely = sum(1 for v in cand_lp if v >= least) / len(cand_lp)
+        if all(math.isfinite(v) for v in golden_lp + cand_lp):
+            least = min(golden_lp)
+            likely = sum(1 for v in cand_lp if v >= least) / len(cand_lp)
+        else:
+            likely = math.nan  # comparisons with NaN are false: a share of them would look like a number
     out: Values = {
         "samples": len(group),
         "distinct_golden": len({p.golden.output_token_ids.tobytes() for p in group}),
@@ -228,9 +239,6 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
         if w and x and all(isinstance(v, float) for v in w + x):
             gw, gx = float(np.mean(w)), float(np.mean(x))
             out.update(sample_semantic_golden=gw, sample_semantic_cross=gx, sample_semantic_gap=gw - gx)
-    for key, value in out.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            out[key] = None
     return out
 
 

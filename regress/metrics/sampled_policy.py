@@ -25,7 +25,7 @@ CARRIED_METRICS = ("teacher_forced",)
 fed to the candidate); the free-running comparisons of sample k with sample k do not."""
 
 
-SUMMED = ("tf_positions", "tf_flips")
+SUMMED = ("tf_positions", "tf_unscored", "tf_flips")
 """Counts, added up over the samples."""
 
 
@@ -60,6 +60,8 @@ def _together(specs: list[Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r.get(spec.name) for r in rows if isinstance(r.get(spec.name), (int, float))]
         if not values:
             row[spec.name] = None
+        elif any(v != v for v in values):  # a NaN sample: min() and max() would answer by its place
+            row[spec.name] = float("nan")
         elif spec.better == "higher":
             row[spec.name] = min(values)
         elif spec.better == "lower":
@@ -158,7 +160,9 @@ def run_shift(scores: list[Any], t: Any) -> tuple[str | None, str | None]:
     this sees: the run fails when the mean shift is beyond ``sampled_regression_shift`` with p
     below ``sampled_alpha``."""
     shifts = [s.metrics.get("sample_logprob_shift") for s in scores if s.metrics.get("samples")]
-    shifts = [float(v) for v in shifts if isinstance(v, (int, float))]
+    # A NaN or infinite shift is its prompt's regression already (verdict.classify); the test
+    # takes the numbers, which a NaN would turn into a p-value that passes every comparison.
+    shifts = [float(v) for v in shifts if isinstance(v, (int, float)) and np.isfinite(v)]
     if not shifts:
         return None, None
     mean = float(np.mean(shifts))

@@ -133,7 +133,9 @@ def semantic(
                 out.append({"semantic_similarity": 1.0})
             else:
                 sim = float(np.dot(vectors[p.golden.text], vectors[p.candidate.text]))
-                out.append({"semantic_similarity": min(1.0, max(-1.0, sim))})
+                # Clamped to [-1, 1] only when a number: min/max would turn a broken embedding's
+                # NaN into -1, a "different meaning" nobody measured (it is an error: the spec's default).
+                out.append({"semantic_similarity": min(1.0, max(-1.0, sim)) if np.isfinite(sim) else sim})
         return out
 
     score.state = state  # type: ignore[attr-defined]  # which backend ran (tests, benchmarks)

@@ -25,6 +25,11 @@ Format = Literal["num", "int", "pct", "kl", "ratio"]
 scientific notation), ratio (``1.25×``)."""
 Scale = Literal["position", "log", "unit"]
 """A chart's x axis: token positions (integer bins), log10, or linear up to 1."""
+NonFinite = Literal["error", "regression"]
+"""What a NaN or infinite value means: ``error``, the measure could not be taken and the scoring
+stops (exit 3, :class:`regress.errors.MeasureError`); ``regression``, the candidate's answer is
+broken and the prompt is a regression. Never noise: NaN compares false with every bound, so a
+value that is not a number would otherwise pass every gate."""
 
 Findings = tuple[list[str], list[str]]
 """(regression reasons, not-benign reasons) of one prompt."""
@@ -118,6 +123,9 @@ class Output:
     column: bool = False
     """A column of the report's prompt table."""
     chart: Chart | None = None
+    nonfinite: NonFinite = "error"
+    """What a NaN or infinite value of it means (:data:`NonFinite`); the default, ``error``, is the
+    conservative one for a value whose metric does not say: no verdict from a broken measure."""
 
     @property
     def shown_label(self) -> str:

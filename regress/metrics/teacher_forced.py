@@ -9,13 +9,24 @@ KL is computed over the golden's top-k plus one "rest" bucket (the probability m
 top-k), since only top-k logprobs are stored. A golden top-k token missing from the candidate's
 top-k gets the candidate's k-th logprob, an upper bound on its true value; the estimate therefore
 leans low when the two top-k sets differ a lot.
+
+Every value is computed from the candidate's logprobs of the golden's tokens, so one that is NaN
+or infinite means the candidate answered logprobs that are not numbers: a regression
+(``nonfinite="regression"``), never noise. A prompt the pass could not score at all (prompt +
+golden completion longer than the candidate's ``max_model_len``: the engine scores no position)
+has no teacher-forced measure; the ``teacher_forcing_ran`` rule keeps it from being benign and
+scoring names it (``RunMetrics.not_teacher_forced_ids``), so it is never silently dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
-from regress.metrics.base import (CONFIDENT_MARGIN, NEAR_TIE_MARGIN, Aggregate, Bound, Chart, Output, Pair,
+from regress.metrics.base import (CONFIDENT_MARGIN, NEAR_TIE_MARGIN, Aggregate, Bound, Chart, Output, Pair, Rule,
                                   Setting, Values, logprob_of, metric)
 
 _EPS = 1e-12
@@ -43,6 +54,9 @@ _SAME_REASON = "same top-1 on {value:.0%} of golden positions < {bound:.0%}"
 
 _OUTPUTS = [
     Output("tf_positions", "golden completion positions scored teacher-forced"),
+    Output("tf_unscored", "golden completion positions the teacher-forcing pass could not score (the context "
+           "did not fit the candidate's max_model_len; a golden that filled it loses its last position)",
+           format="int"),
     Output("tf_mean_abs_delta", "mean |logprob(golden token) under candidate - under golden|", better="lower"),
     Output("tf_max_abs_delta", "largest such difference", better="lower"),
     Output("tf_kl_mean", "mean KL(golden || candidate) per position over the top-k (+ rest bucket)",
@@ -80,7 +94,29 @@ _OUTPUTS = [
                             reason="teacher-forced, the candidate overturned a confident golden choice "
                                    "(margin {value:.2f} nat)")),
 ]
+# Every value here is made of the candidate's logprobs: one that is not a number is its answer broken.
+_OUTPUTS = [dataclasses.replace(o, nonfinite="regression") for o in _OUTPUTS]
 _NAMES = [o.name for o in _OUTPUTS]
+
+
+def not_teacher_forced(values: Mapping[str, Any]) -> bool:
+    """Whether the teacher-forcing pass ran for a prompt with a golden completion and scored none of it."""
+    unscored = values.get("tf_unscored")
+    return isinstance(unscored, int) and unscored > 0 and not values.get("tf_positions")
+
+
+def _teacher_forcing_ran(values: Mapping[str, Any], t: Any) -> tuple[list[str], list[str]]:
+    """Not benign without teacher-forced measures: "stayed close by every measure" would be untrue."""
+    if not not_teacher_forced(values):
+        return [], []
+    n = values.get("tf_unscored")
+    return [], [f"teacher forcing could not run: none of the golden's {n} token(s) was scored (prompt + golden "
+                "completion do not fit the candidate's context, max_model_len), so no teacher-forced measure "
+                "judged it"]
+
+
+TEACHER_FORCING_RAN = Rule("teacher_forcing_ran", "a prompt the teacher-forcing pass could not score is not benign",
+                           _teacher_forcing_ran)
 
 
 def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, tf_top_lp) -> dict[str, np.ndarray]:
@@ -106,7 +142,7 @@ def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, t
     }
 
 
-@metric("teacher_forced", outputs=_OUTPUTS, batched=True)
+@metric("teacher_forced", outputs=_OUTPUTS, batched=True, rules=[TEACHER_FORCING_RAN])
 def teacher_forced() -> "callable":
     """Vectorised over every position of every prompt at once, then reduced per prompt: scoring
     10,000 prompts costs a few array passes instead of 10,000 rounds of small numpy calls."""
@@ -119,6 +155,7 @@ def teacher_forced() -> "callable":
             if tf is None:
                 continue
             out[i]["tf_positions"] = len(tf.token_ids)
+            out[i]["tf_unscored"] = max(0, len(pair.golden.output_token_ids) - len(tf.token_ids))
             if len(tf.token_ids):
                 rows.append((i, pair.golden.free_run, tf))
         if not rows:

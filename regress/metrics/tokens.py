@@ -70,7 +70,8 @@ def topk_agreement(values: Mapping[str, Any], t: Any) -> tuple[list[str], list[s
                regression=Bound(CONFIDENT_MARGIN, inclusive=True,
                                 reason="first divergence at token {first_divergence} where the golden was confident "
                                        "(margin {value:.2f} nat >= {bound})")),
-        Output("candidate_margin", "candidate top-1 minus top-2 logprob at the first divergence (nat)"),
+        Output("candidate_margin", "candidate top-1 minus top-2 logprob at the first divergence (nat)",
+               nonfinite="regression"),
         Output("golden_token_in_candidate_topk", "the golden's token is in the candidate's top-k there (vLLM's check)"),
         Output("candidate_token_in_golden_topk", "the candidate's token is in the golden's top-k there (vLLM's check)"),
     ],
@@ -109,10 +110,11 @@ def _margin(row: np.ndarray) -> float | None:
 @metric(
     "prefix_logprobs",
     outputs=[
+        # Not a number here: the candidate's logprobs are (the golden is the blessed reference).
         Output("prefix_max_abs_delta", "largest |logprob difference| of the chosen tokens before the first divergence",
-               better="lower"),
+               better="lower", nonfinite="regression"),
         Output("prefix_mean_abs_delta", "mean |logprob difference| of the chosen tokens before the first divergence",
-               better="lower"),
+               better="lower", nonfinite="regression"),
     ],
 )
 def prefix_logprobs() -> "callable":

@@ -16,24 +16,29 @@ Scoring applies it (:func:`run_thresholds`, :func:`prompt_thresholds`):
   the largest margin the baseline flipped it at, and the benign KL (x k), same-top-1 and
   semantic bounds widened to its envelope, so the same flip in a candidate is benign.
 
+Because the file widens thresholds, scoring uses it only as ``regress noise`` wrote it for this
+golden: :func:`write_floor` records its sha256 in the golden's manifest (``noise_sha256``, where
+the golden run's identity lives), and :func:`load_floor` refuses, with
+:class:`~regress.errors.NoiseFloorError` (exit 2, naming the file), a noise.json measured against
+another golden, changed since, or never recorded. Every number in it must be finite.
+
 See docs/verdicts.md, "Noise floor".
 """
 
 from __future__ import annotations
 
-import logging
+import hashlib
 import math
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from regress.errors import NoiseFloorError
 from regress.noise.record import NoiseApplied
 from regress.records import ScoredRun
-from regress.storage import atomic_write_text, read_record
-
-log = logging.getLogger(__name__)
+from regress.storage import atomic_write_bytes, atomic_write_text
 
 NOISE_FILE = "noise.json"
 ARMS_DIR = "noise-arms"
@@ -49,7 +54,8 @@ FLOOR_MEASURES = (KL, SAME, MARGIN, TF_MARGIN, SEMANTIC)
 
 
 class _Stored(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN or infinity in a floor would widen a bound to infinity (or, compared, to nothing).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class NoiseArmResult(_Stored):
@@ -131,7 +137,9 @@ class NoiseFloor(_Stored):
 # ------------------------------------------------------------------ building
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    """A finite number, else None: a NaN or infinite value is its prompt's regression (or an
+    error) in the arm's scoring, never part of an envelope that widens bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
@@ -189,30 +197,68 @@ def noise_path(golden_dir: str | Path) -> Path:
     return Path(golden_dir) / NOISE_FILE
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_floor(floor: NoiseFloor, golden_dir: str | Path) -> Path:
+    """Write ``golden/noise.json`` and record its sha256 in the golden's manifest (both atomic).
+
+    A crash between the two leaves a file whose digest the manifest does not hold: refused by
+    :func:`load_floor` until ``regress noise`` runs again (its finished arms are reused)."""
+    from regress.runs import MANIFEST, read_manifest
+
+    golden_dir = Path(golden_dir)
+    manifest = read_manifest(golden_dir)
+    if manifest.run_id != floor.golden_run_id:
+        raise ValueError(f"a floor measured against golden {floor.golden_run_id} written to {golden_dir}, "
+                         f"whose run is {manifest.run_id}")
     path = noise_path(golden_dir)
-    atomic_write_text(path, floor.model_dump_json(indent=1))
+    data = floor.model_dump_json(indent=1).encode("utf-8")
+    atomic_write_bytes(path, data)
+    recorded = manifest.model_copy(update={"noise_sha256": _sha256(data)})
+    atomic_write_text(golden_dir / MANIFEST, recorded.model_dump_json(indent=2))
     return path
 
 
 def load_floor(golden_dir: str | Path, golden_run_id: str) -> NoiseFloor | None:
-    """``golden/noise.json`` if there is one for this golden; a stale one (another golden's) is
-    ignored with a warning; a damaged one is a :class:`~regress.errors.StorageError`."""
-    path = noise_path(golden_dir)
-    floor = read_record(path, NoiseFloor, what="a regress noise file", missing=None,
-                        unreadable=lambda exc: f"cannot read it ({exc})",
-                        invalid=lambda exc: f"not a regress noise file: {exc.errors()[0]['msg']} "
-                                            "(run `regress noise` again)")
-    if floor is None:
-        return None
-    if floor.golden_run_id != golden_run_id:
-        log.warning("%s is stale: measured against golden %s, the golden is %s; ignored "
-                    "(run `regress noise` again)", path, floor.golden_run_id, golden_run_id)
-        from regress.progress import warn
+    """``golden/noise.json``, if there is one, checked before it widens any threshold: it must be
+    the file ``regress noise`` recorded in this golden's manifest (its sha256), measured against
+    this golden (``golden_run_id``). Otherwise :class:`~regress.errors.NoiseFloorError` naming the
+    file (exit 2), never a floor used anyway. None when there is none; a recorded floor whose file
+    is gone is a warning (the configured thresholds, which only ever narrow, are used)."""
+    from regress.progress import warn
+    from regress.runs import MANIFEST, read_manifest
 
-        warn(f"{path} is stale (measured against another golden, {floor.golden_run_id}); ignored: "
-             "run `regress noise` again")
+    path = noise_path(golden_dir)
+    again = "run `regress noise` to measure this golden's floor again"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = None
+    except OSError as exc:
+        raise NoiseFloorError(f"{path}: cannot read it ({exc})") from exc
+    if data is None:
+        if (Path(golden_dir) / MANIFEST).is_file() and read_manifest(golden_dir).noise_sha256 is not None:
+            warn(f"{path} is missing although the golden's {MANIFEST} records a noise floor; scoring with the "
+                 "configured thresholds")
         return None
+    manifest = read_manifest(golden_dir)
+    try:  # the bytes that are hashed below, not the file read again
+        floor = NoiseFloor.model_validate_json(data)
+    except ValidationError as exc:
+        raise NoiseFloorError(f"{path}: not a regress noise file ({exc.errors()[0]['msg']}); {again}") from exc
+    if manifest.run_id != golden_run_id or floor.golden_run_id != golden_run_id:
+        raise NoiseFloorError(f"{path}: measured against golden {floor.golden_run_id}, but the golden is "
+                              f"{golden_run_id}: a foreign or stale noise floor is never applied; {again}")
+    if manifest.noise_sha256 is None:
+        raise NoiseFloorError(f"{path}: not recorded in the golden's {MANIFEST} (copied in, or written by "
+                              f"an older regress), so it cannot be checked and is not applied; {again}")
+    digest = _sha256(data)
+    if digest != manifest.noise_sha256:
+        raise NoiseFloorError(f"{path}: changed since `regress noise` wrote it (sha256 {digest[:12]}..., the "
+                              f"golden's {MANIFEST} records {manifest.noise_sha256[:12]}...); a noise floor "
+                              f"widens thresholds, so it is applied only unchanged: {again}")
     return floor
 
 

@@ -299,3 +299,7 @@ class RunManifest(_Record):
     recorded: such a run still loads, its shards unverified."""
     effective: EffectiveConfig | None = None
     """The configuration as the engine applied it. None in manifests written before it existed."""
+    noise_sha256: str | None = None
+    """Goldens: sha256 of ``golden/noise.json`` as ``regress noise`` wrote it; scoring widens
+    thresholds with that file only while its bytes match (:func:`regress.noise.floor.load_floor`).
+    None: no noise floor was measured for this run."""

@@ -193,6 +193,16 @@ class RunMetrics(_Record):
     """Upper bound of the answer flip rate's Wilson score interval."""
     answer_mcnemar_p: float | None = None
     """Two-sided exact McNemar p-value of answers lost against gained; None without answer prompts."""
+    not_teacher_forced: int = 0
+    """Prompts the teacher-forcing pass could not score (prompt + golden completion longer than the
+    candidate's max_model_len): they have no teacher-forced measure and are never benign."""
+    not_teacher_forced_ids: list[str] = Field(default_factory=list)
+    """Their ids, in prompt set order."""
+    nonfinite: int = 0
+    """Prompts with a measure that is NaN or infinite: regressions (or, where the metric says the
+    measure could not be taken, no scoring at all), left out of the aggregates above."""
+    nonfinite_ids: list[str] = Field(default_factory=list)
+    """Their ids, in prompt set order."""
     mean_sample_logprob_shift: float | None = None
     """Sampled prompts (``samples:``): mean over them of the candidate-minus-golden mean logprob per
     token of their samples (below 0: the candidate samples hotter); None without sampled prompts."""

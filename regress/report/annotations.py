@@ -10,8 +10,12 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from regress.untrusted import without_controls
+
 
 def _escape_data(value: str) -> str:
+    # ESC and the other control characters are shown, not sent: a log viewer would run them.
+    value = without_controls(value, keep="\t\n\r")
     return value.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 

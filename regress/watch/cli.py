@@ -21,7 +21,10 @@ from regress.errors import EXIT_INPUT, RegressError
 
 
 def _echo(message: str) -> None:
-    typer.echo(message)
+    # Index notes, versions and reports come from remote answers: no escape sequence, no workflow command.
+    from regress.untrusted import printable
+
+    typer.echo(printable(message))
 
 
 def _print_tick(tick: Any) -> None:
