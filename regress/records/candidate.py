@@ -8,16 +8,18 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_v
 
 from regress.records.base import _Strict
 from regress.records.sampling import SamplingSpec
+from regress.redact import SECRET_VARIABLES
 
 CURRENT_ENVIRONMENT = "current"
 """Package spec meaning: the Python environment regress itself runs in."""
 
 
-REGRESS_CREDENTIAL_VARIABLES = frozenset({
-    "REGRESS_BROKER_URL", "REGRESS_BROKER_KEY", "REGRESS_BROKER_KEY_FILE", "REGRESS_RESULT_BACKEND",
-    "REGRESS_DISPATCH_TOKEN", "REGRESS_GITHUB_TOKEN", "REGRESS_INDEX_URL", "REGRESS_INDEX_URL_FILE",
-})
-"""Variables that hold regress's own credentials (broker, message key, webhooks, index): never an API key to send."""
+REGRESS_CREDENTIAL_VARIABLES = frozenset(
+    SECRET_VARIABLES | {f"{name}_FILE" for name in SECRET_VARIABLES} | {"REGRESS_BROKER_KEY_FILE"})
+"""Variables that hold regress's own credentials, or name the file holding one: the broker URL and
+key, the result backend, the watch state URL, the webhook URL, the index URL, the dispatch and
+GitHub tokens (``GITHUB_TOKEN``, ``GH_TOKEN``) and the Actions runner's tokens. Never an API key
+to send: the same list the engine processes are kept from (:data:`regress.redact.SECRET_VARIABLES`)."""
 
 
 class ServerSettings(_Strict):

@@ -14,8 +14,10 @@ Why each setting:
   another worker only after that long, so a slow shard is not run twice, and a dead worker's
   shard comes back after it (``unacked_restore_interval`` checks every few seconds).
 - signed messages only (:mod:`regress.worker.signing`): JSON keeps a message from being code,
-  the signature keeps a stranger's message from being work. Every task is a
-  :class:`~regress.worker.signing.SignedTask`, Celery's built-in ones included.
+  the signature (over the whole message) keeps a stranger's message from being work. Every task
+  is a :class:`~regress.worker.signing.SignedTask`, Celery's built-in ones included, and only a
+  client app (:func:`make_app` with ``with_tasks=False``) or beat signs: the worker's own app,
+  which Celery uses for what it publishes on a message's behalf, never does.
 - the ``solo`` pool: tasks run in the worker's main process, one at a time, so the warm engine
   lives in one place. The engine itself always runs in its own subprocess (vLLM cannot run in a
   daemonic prefork child).
@@ -125,10 +127,24 @@ def ensure_broker(celery_app: Celery, described: str) -> None:
         connection.release()
 
 
+class SendingCelery(Celery):
+    """A client's app: it signs what its own ``send_task`` publishes, and nothing else. Never the
+    current app, so that Celery, publishing for a message in a worker, cannot pick it up."""
+
+    def send_task(self, *args: Any, **kwargs: Any) -> Any:
+        with signing.publishing():
+            return super().send_task(*args, **kwargs)
+
+
 def make_app(settings: CelerySettings | None = None, *, with_tasks: bool = True) -> Celery:
-    """A Celery app for ``settings`` (default: the environment's REGRESS_* variables)."""
+    """A Celery app for ``settings`` (default: the environment's REGRESS_* variables).
+
+    ``with_tasks=False``: a client's app (:class:`SendingCelery`), which signs what it sends."""
     settings = (settings or CelerySettings()).with_environment()
-    celery_app = Celery("regress", task_cls="regress.worker.signing:SignedTask")
+    if with_tasks:
+        celery_app = Celery("regress", task_cls="regress.worker.signing:SignedTask")
+    else:
+        celery_app = SendingCelery("regress", task_cls="regress.worker.signing:SignedTask", set_as_current=False)
     celery_app.conf.update(celery_config(settings, with_tasks=with_tasks))
     celery_app.conf.regress_settings = settings.model_dump()
     try:

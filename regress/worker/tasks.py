@@ -9,9 +9,12 @@ Nothing in a message is trusted (:mod:`regress.worker.trust`): the candidate is 
 params.yaml and may not choose loader variables, direct-URL requirements or ``module:Class``
 backends; every path must lie in the worker's results directory, inside a run directory an
 orchestrator prepared (its ``plan.json``), for the run id written there: a message of an
-earlier attempt (before ``--force``) is dropped without writing anything. Besides the shard
-file, the worker writes the engine's facts for the shard (``engine-facts/shard-NNNNN.json``),
-so an orchestrator that died and runs again can finish the run from files alone.
+earlier attempt (before ``--force``) is dropped without writing anything. Before an environment
+or engine starts, whatever the candidate names (model, tokenizer, chat template, server URL and
+key variable, text-valued engine arguments) must come from the worker's own params. Besides
+the shard file, the worker writes the engine's facts for the shard
+(``engine-facts/shard-NNNNN.json``), so an orchestrator that died and runs again can finish the
+run from files alone.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from regress.storage import atomic_write_text, read_shard_meta
 from regress.worker.app import TASK_REPLAY_SHARD, app
 from regress.worker.executor import ENGINE_FACTS_DIR
 from regress.worker.settings import CelerySettings
-from regress.worker.trust import inside, untrusted_candidate
+from regress.worker.trust import from_own_configuration, inside, untrusted_candidate, worker_configuration
 
 logger = get_task_logger(__name__)
 
@@ -119,6 +122,8 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
         return {**base, "skipped": True, "stale": True}
     if shard_file_matches(out, request.meta.get("fingerprint", "")) and _file_run_id(out) == run_id:
         return {**base, "skipped": True}
+    # Here, not earlier: a stale or finished shard runs nothing, whatever its candidate says.
+    from_own_configuration(candidate, worker_configuration(where), where)
     payload = {**payload, "vocab_out": str(run_dir / VOCAB_FILE) if payload.get("vocab_out") else None}
     restarts = 0
     loaded_now = False

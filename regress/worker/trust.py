@@ -1,9 +1,9 @@
 """What a broker message may choose on a worker, and what it may not.
 
 params.yaml is trusted: whoever writes it runs the check on their own machine. A message is
-not, even a signed one (a leaked key, a compromised sender): a worker validates every
-candidate it receives with params.yaml's own rules (:class:`~regress.records.CandidateSpec`),
-then refuses what would let a message choose code, commands or where files go:
+not, even a signed one (a leaked key, a compromised sender). A worker validates every candidate
+it receives with params.yaml's own rules (:class:`~regress.records.CandidateSpec`), then refuses
+(:func:`untrusted_candidate`) what would let a message choose code, commands or where files go:
 
 - engine ``env`` keys that steer loaders and interpreters (``LD_PRELOAD``, ``PYTHONPATH``, ...)
   or name directories (``*_HOME``, ``*_DIR``, ...): set those in the worker's own environment;
@@ -12,18 +12,33 @@ then refuses what would let a message choose code, commands or where files go:
 - backends given as ``module:Class`` (registered names only);
 - engine arguments that load code (``trust_remote_code``, ``worker_cls``, ...);
 - any path to write outside the worker's results directory (``celery.results_dir``).
+
+Then an allow-list (:func:`from_own_configuration`): a message chooses no network destination,
+secret or file. Everything that names one must come from the worker's own params.yaml
+(``REGRESS_WATCH_PARAMS``, which ``regress worker --params`` sets): the model with its revision,
+the tokenizer, the chat template, the generation config, the server's URL and the variable
+holding its key (as a pair, so no key goes to another candidate's server). Engine arguments and
+``env`` values must either be set the same way by one of the worker's candidates or be plain
+settings: numbers and booleans (no ports), the listed word-valued knobs (:data:`WORD_ENGINE_ARGS`),
+``env`` values without ``/`` under keys that name no host, URL, proxy or secret. A candidate equal
+to one of the worker's own passes as it is. So the watcher's and bisect's candidates (a template
+with another package), noise arms (another concurrency) and tuning candidates replay; one that
+points elsewhere is refused before pip or an engine starts.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import ValidationError
 
-from regress.errors import MessageRefused
+from regress.errors import MessageRefused, RegressError
 from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
 
 DENIED_ENV = frozenset({
@@ -109,3 +124,163 @@ def inside(root: Path, path: str | Path, what: str, where: str) -> Path:
         raise MessageRefused(f"{where}: {what} {str(path)!r} is outside this worker's results directory {root} "
                              "(celery.results_dir / REGRESS_RESULTS_DIR)")
     return resolved
+
+
+# --------------------------------------------------------------------------------------
+# The allow-list: places come from the worker's own configuration
+# --------------------------------------------------------------------------------------
+
+PARAMS_VARIABLE = "REGRESS_WATCH_PARAMS"
+"""The worker's own params.yaml (``regress worker --params`` sets it; watch tasks read it too)."""
+WORD_ENGINE_ARGS = frozenset({
+    "kv_cache_dtype", "dtype", "quantization", "attention_backend", "scheduling_policy", "tokenizer_mode",
+    "prefix_caching_hash_algo", "mamba_ssm_cache_dtype", "mamba_cache_dtype", "logprobs_mode", "runner",
+    "convert", "task", "device", "reasoning_parser", "tool_call_parser", "uvicorn_log_level",
+    "guided_decoding_backend", "override_attention_dtype",
+})
+"""Engine arguments a message may set to a plain word (``fp8``, ``FLASH_ATTN``): each picks one of
+vLLM's built-in choices. Any other text (a host, a path, a module) only from the worker's params."""
+NETWORK_ENV = re.compile(
+    r"PROXY|(^|_)(URL|URI|ENDPOINTS?|HOST|HOSTNAME|IP|ADDR|ADDRESS|PORT|SERVERS?|TOKEN|KEY|SECRET|PASSWORD|PASSWD"
+    r"|CREDENTIALS?|AUTH)($|_)|^(OTEL|AWS|AZURE|GOOGLE|GCS|S3|HF|HUGGING_FACE|GITHUB|GH|ACTIONS|RUNNER)_")
+"""``env`` keys that name a network destination or hold a secret."""
+_ARG_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]{0,63}")
+_PLAIN_ENV_VALUE = re.compile(r"[A-Za-z0-9_.,:+=-]{0,256}")
+_PORT = re.compile(r"(^|_)ports?($|_)")
+
+
+@dataclass(frozen=True)
+class OwnConfiguration:
+    """The candidates of the worker's own params.yaml: where what a message names must come from."""
+
+    path: Path
+    candidates: tuple[CandidateSpec, ...]
+
+    def describe(self) -> str:
+        return f"{self.path}: {', '.join(c.name for c in self.candidates)}"
+
+
+_loaded: dict[Path, tuple[tuple[int, int], OwnConfiguration]] = {}
+
+
+def own_configuration(path: str | Path) -> OwnConfiguration:
+    """The candidates of params file ``path`` (read again when the file changes); a
+    :class:`~regress.errors.RegressError` (a ConfigError) when it cannot be loaded."""
+    from regress.config import load_params
+
+    path = Path(path).expanduser().resolve()
+    try:
+        stat = path.stat()
+    except OSError:
+        stat = None
+    stamp = (stat.st_mtime_ns, stat.st_size) if stat is not None else (0, -1)
+    cached = _loaded.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    params = load_params(path)
+    own = OwnConfiguration(path, (params.baseline, *params.candidates.values()))
+    _loaded[path] = (stamp, own)
+    return own
+
+
+def worker_configuration(where: str) -> OwnConfiguration:
+    """This worker's own configuration; :class:`MessageRefused` when it has none to check against."""
+    named = os.environ.get(PARAMS_VARIABLE)
+    if not named:
+        raise MessageRefused(f"{where}: this worker has no params of its own ({PARAMS_VARIABLE}, or `regress worker "
+                             "--params`), so it replays no candidate: a message never brings its own configuration")
+    try:
+        return own_configuration(named)
+    except RegressError as exc:
+        raise MessageRefused(f"{where}: this worker's params ({named}) cannot be read: {exc}") from None
+
+
+def _same_place(given: str | None, own: str | None, root: Path) -> bool:
+    """Whether ``given`` names what the worker's ``own`` value names: the same text, or (for a
+    relative path whose directory appeared after the params were read) the path resolved."""
+    if given == own:
+        return True
+    if given is None or own is None or Path(own).is_absolute():
+        return False
+    return given == str((root / own).resolve())
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def engine_arg_problem(key: str, value: Any) -> str | None:
+    """Why a message may not set engine argument ``key`` to ``value`` on its own (``None``: it may)."""
+    if not _ARG_NAME.fullmatch(key):
+        return "not an engine argument name"
+    if key in DENIED_ENGINE_ARGS:
+        return "loads code or chooses where files go"
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return "a port: the worker chooses where its engine listens" if _PORT.search(key) else None
+    if isinstance(value, str):
+        if key in WORD_ENGINE_ARGS and _WORD.fullmatch(value):
+            return None
+        return "text, which may name a host, a file or a module: only the worker's own params set it"
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return None
+    return "a structured value, which may name a host, a file or a module: only the worker's own params set it"
+
+
+def env_problem(key: str, value: str) -> str | None:
+    """Why a message may not set engine variable ``key`` to ``value`` on its own (``None``: it may)."""
+    if denied_env_key(key):
+        return "loader, interpreter or path variables come from the worker's own environment"
+    if NETWORK_ENV.search(key.upper()):
+        return "names a network destination or holds a secret"
+    if not _PLAIN_ENV_VALUE.fullmatch(value):
+        return "its value may name a file or a host"
+    return None
+
+
+def configuration_problems(candidate: CandidateSpec, own: OwnConfiguration) -> list[str]:
+    """What ``candidate`` names that the worker's own configuration does not (empty: nothing)."""
+    if any(c.model_dump() == candidate.model_dump() for c in own.candidates):
+        return []
+    root, mine = own.path.parent, own.candidates
+    problems: list[str] = []
+    if not any(_same_place(candidate.model, c.model, root) and candidate.revision == c.revision for c in mine):
+        at = f" at revision {candidate.revision!r}" if candidate.revision else ""
+        problems.append(f"model {candidate.model!r}{at} (none of the worker's candidates uses it)")
+    for field, unset in (("tokenizer", (None,)), ("chat_template", (None,)), ("generation_config", ("vllm", "auto"))):
+        value = getattr(candidate, field)
+        if value not in unset and not any(_same_place(value, getattr(c, field), root) for c in mine):
+            problems.append(f"{field} {value!r}")
+    if candidate.quantization is not None and not _WORD.fullmatch(candidate.quantization) and not any(
+            c.quantization == candidate.quantization for c in mine):
+        problems.append(f"quantization {candidate.quantization!r}")
+    url = candidate.server.url if candidate.server is not None else None
+    key = candidate.server.api_key_env if candidate.server is not None else None
+    servers = [(c.server.url, c.server.api_key_env) for c in mine if c.server is not None]
+    if url is not None and not any(url == own_url for own_url, _ in servers):
+        problems.append(f"server.url {url!r}")
+    elif key is not None and (url, key) not in servers:
+        # A key goes only to the server the worker's params pair it with.
+        problems.append(f"server.api_key_env {key!r} (not this server's key in the worker's params)")
+    own_args = {(k, _value(v)) for c in mine for k, v in c.engine_args.items()}
+    for arg, value in candidate.engine_args.items():
+        why = None if (arg, _value(value)) in own_args else engine_arg_problem(arg, value)
+        if why:
+            problems.append(f"engine argument '{arg}' ({why})")
+    own_env = {(k, v) for c in mine for k, v in c.env.items()}
+    for variable, value in candidate.env.items():
+        why = None if (variable, value) in own_env else env_problem(variable, value)
+        if why:
+            problems.append(f"env '{variable}' ({why})")
+    return problems
+
+
+def from_own_configuration(candidate: CandidateSpec, own: OwnConfiguration, where: str) -> None:
+    """:class:`MessageRefused` unless everything ``candidate`` names comes from ``own``."""
+    problems = configuration_problems(candidate, own)
+    if problems:
+        raise MessageRefused(f"{where}: candidate '{candidate.name}' refused: {'; '.join(problems)}. A message "
+                             "may name only the models, files, servers and keys of the worker's own params "
+                             f"({own.describe()}); add the candidate there")
