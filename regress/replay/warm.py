@@ -31,6 +31,7 @@ from regress.engine.protocol import EngineInfo
 from regress.envs import python_for
 from regress.errors import EngineError, InputError, RegressError
 from regress.records import CandidateSpec
+from regress.watchdog import phase
 
 
 def configuration_key(spec: CandidateSpec) -> str:
@@ -104,12 +105,14 @@ class WarmEngines:
             oldest = next(iter(self._warm))
             self._warm.pop(oldest).engine.close()
         status(f"preparing environment for {spec.package}")
-        python, env, _ = python_for(spec, on_line=lambda line: status(f"pip: {line[:100]}"))
+        with phase("environment", spec.package):
+            python, env, _ = python_for(spec, on_line=lambda line: status(f"pip: {line[:100]}"))
         status(f"loading engine for '{spec.name}' ({spec.backend}, {spec.dtype})")
         engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
         started = time.monotonic()
         try:
-            info = dict(engine.start(vocab_out=vocab_out))
+            with phase("engine_start", f"candidate '{spec.name}'"):
+                info = dict(engine.start(vocab_out=vocab_out))
         except (EngineError, InputError) as exc:
             engine.close()
             if self.failure_ttl_s is not None and not getattr(exc, "retryable", False):
