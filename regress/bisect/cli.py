@@ -10,12 +10,14 @@ import typer
 from rich.markup import escape
 
 from regress.errors import EXIT_OK, EXIT_REGRESSION
+from regress.untrusted import printable
 
 FLIPPED_SHOWN = 20
 
 
 def _echo(message: str) -> None:
-    typer.echo(message)
+    # Versions, causes and notes come from a package index's answers: never a raw control character.
+    typer.echo(printable(message))
 
 
 def _check_line(check) -> str:  # type: ignore[no-untyped-def]
@@ -78,7 +80,7 @@ def bisect(
             releases = client.releases(package, notes)
         rng = releases_between(package, good, bad, releases, prereleases=pre, index=client.describe())
         for note in notes:
-            stderr_console.print(f"[yellow]index:[/yellow] {escape(note)}")
+            stderr_console.print(f"[yellow]index:[/yellow] {escape(printable(note))}")
         if rng.skipped_yanked:
             stderr_console.print(f"left out (yanked): {', '.join(rng.skipped_yanked)}")
         if rng.skipped_prereleases:
@@ -95,7 +97,7 @@ def bisect(
                             restart=restart, force=force, layered=layered)
     state = result.state
     for note in result.notes:
-        stderr_console.print(escape(note))
+        stderr_console.print(escape(printable(note)))
     if as_json:
         _echo(json.dumps({**json.loads(state.model_dump_json()), "state_file": str(result.path),
                           "checked_now": result.ran_now}, indent=2))

@@ -36,6 +36,8 @@ from celery.signals import worker_init
 from kombu.exceptions import OperationalError
 
 from regress.errors import BrokerError, RegressError
+from regress.redact import redact
+from regress.untrusted import printable
 from regress.worker import signing
 from regress.worker.settings import CelerySettings, check_worker_security
 
@@ -192,7 +194,7 @@ def _check_on_start(**_: Any) -> None:
     try:
         check_worker(CelerySettings(**app.conf.regress_settings).with_environment())
     except RegressError as exc:
-        print(f"regress worker: {exc}", file=sys.stderr, flush=True)
+        print(printable(redact(f"regress worker: {exc}")), file=sys.stderr, flush=True)
         raise SystemExit(exc.exit_code) from None
 
 
