@@ -128,6 +128,22 @@ def test_changed_prompt_tokens_are_input_whatever_the_probes_say() -> None:
     assert d.causes[0] == "input" and d.explained and "prompt token ids changed" in d.why
 
 
+def test_changed_prompt_tokens_are_one_cause_unless_putting_the_input_back_leaves_drift() -> None:
+    """A probe that leaves the changed input in place cannot explain the drift away, even when its
+    output happens to match (float32 on both sides, the same batch, another revert)."""
+    template = _spec(chat_template="/t.jinja", dtype="float32")
+    golden, moved = _gen([1, 2], [5, 6]), _gen([1, 3], [5, 7])
+    for shown in (dict(float32=True), dict(same_batch=True), dict(revert_dtype=True), dict(revert_input=True)):
+        d = attribute("p", _score("input_drift"), _obs(reference=True, control=True, **shown),
+                      _probes(template, ["revert", "float32"]), [], golden=golden, candidate_run=moved)
+        assert d.causes == ["input"] and d.explained, (shown, d.causes)
+    # With the input put back it still drifts: the difference left (the weights) is named second.
+    quant = _spec(chat_template="/t.jinja", model="/m/quant", quantization="compressed-tensors")
+    d = attribute("p", _score("input_drift"), _obs(reference=True, control=True, revert_input=False, float32=True),
+                  _probes(quant, ["revert", "float32"]), [], golden=golden, candidate_run=moved)
+    assert d.causes == ["input", "model"] and "still drifts" in d.why
+
+
 def test_a_drift_that_needs_its_batch_is_scheduling_and_batching() -> None:
     d = attribute("p", _score(), _obs(reference=False, control=True, same_batch=True),
                   _probes(_spec(), []), [], golden=_gen([1], [5, 6]), candidate_run=_gen([1], [5, 7]))

@@ -2,7 +2,11 @@
 
 The rules, in order:
 
-1. The prompt's token ids changed: **input** (tokenizer, chat template, special tokens).
+1. The prompt's token ids changed: **input** (tokenizer, chat template, special tokens), and
+   only input: a probe that leaves the changed input in place (float32 on both sides, another
+   revert) cannot explain the drift away, even when its output happens to match. A secondary
+   cause is named only when putting the input back (``revert-input``) did not remove the drift,
+   from the differences that are left (rule 4).
 2. The candidate's output equals the baseline's when both run the same (diagnosis) batch: the
    drift does not reproduce outside the batch it ran in, so **scheduling and batching** (the
    batch composition) is what made it; settings the two differ in only made it batch-sensitive.
@@ -20,6 +24,8 @@ nondeterminism under scheduling and batching).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,12 +74,18 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
             details.append(detail)
         whys.append(why)
 
-    if not np.array_equal(golden.prompt_token_ids, candidate_run.prompt_token_ids) or score.prompt_class == "input_drift":
+    input_changed = (not np.array_equal(golden.prompt_token_ids, candidate_run.prompt_token_ids)
+                     or score.prompt_class == "input_drift")
+    same_batch = seen.get("same-batch")
+    if input_changed:
         add("input", "tokenizer and chat template",
             "its prompt token ids changed (tokenizer, chat template or special tokens); `regress diff` names the file")
         explained = True
-    same_batch = seen.get("same-batch")
-    if same_batch is not None and same_batch.same:
+        reverted_input = seen.get("revert-input")
+        if reverted_input is not None and not reverted_input.same:
+            whys.append("with the input put back it still drifts, so something else differs too")
+            _unprobed_sources(add, by_name, seen, found, batch_variant, skip_group="input")
+    elif same_batch is not None and same_batch.same:
         differing = [g.detail for g in GROUPS if group_differs(g, _spec(by_name, "reference"), _spec(by_name, "control"), found)]
         add("scheduling and batching", "batch composition",
             "not reproduced when both sides run the same batch: the drift needs the batch it ran in"
@@ -87,21 +99,7 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
             add(p.source, p.detail, f"drift gone with {p.changed}")
             explained = True
     if not causes:
-        ref_spec, ctl_spec = _spec(by_name, "reference"), _spec(by_name, "control")
-        differing = [g for g in GROUPS if ref_spec and ctl_spec and group_differs(g, ref_spec, ctl_spec, found)]
-        unprobed = [g for g in differing if g.name != "model" and f"revert-{g.name}" not in seen]
-        if any(g.name == "model" for g in differing):
-            add("model", "weights and quantization",
-                "no probe removed it and the weights or quantization differ: the model itself")
-        elif unprobed:
-            for g in unprobed:
-                add(g.source, g.detail, f"no probe removed it; {g.detail}: differs from the baseline, not put "
-                                        f"back (run probe revert-{g.name})")
-        elif batch_variant:
-            add("scheduling and batching", "batch composition",
-                "its output moves with the batch, and no probe made both sides agree")
-        else:
-            add("unexplained", "", "no probe removed it and nothing else differs that regress can see")
+        _unprobed_sources(add, by_name, seen, found, batch_variant)
     rerun = seen.get("rerun")
     if rerun is not None and not rerun.same:
         sampled = candidate_run.sampling.temperature > 0
@@ -113,6 +111,28 @@ def attribute(prompt_id: str, score: PromptScore, observations: list[Observation
         first_divergence=first if isinstance(first, int) and not isinstance(first, bool) else None,
         observations=observations, causes=causes, explained=explained, why="; ".join(whys),
         mitigation=_mitigation(causes[0], details[0]), batch_variant=batch_variant)
+
+
+def _unprobed_sources(add: Callable[[Cause, str, str], None], by_name: dict[str, Probe],
+                      seen: dict[str, Observation], found: list[Difference], batch_variant: bool,
+                      skip_group: str | None = None) -> None:
+    """Rule 4: no probe removed the drift, so name what differs and was not put back."""
+    ref_spec, ctl_spec = _spec(by_name, "reference"), _spec(by_name, "control")
+    differing = [g for g in GROUPS if g.name != skip_group and ref_spec and ctl_spec
+                 and group_differs(g, ref_spec, ctl_spec, found)]
+    unprobed = [g for g in differing if g.name != "model" and f"revert-{g.name}" not in seen]
+    if any(g.name == "model" for g in differing):
+        add("model", "weights and quantization",
+            "no probe removed it and the weights or quantization differ: the model itself")
+    elif unprobed:
+        for g in unprobed:
+            add(g.source, g.detail, f"no probe removed it; {g.detail}: differs from the baseline, not put "
+                                    f"back (run probe revert-{g.name})")
+    elif batch_variant:
+        add("scheduling and batching", "batch composition",
+            "its output moves with the batch, and no probe made both sides agree")
+    else:
+        add("unexplained", "", "no probe removed it and nothing else differs that regress can see")
 
 
 def _spec(by_name: dict[str, Probe], name: str):  # type: ignore[no-untyped-def]
