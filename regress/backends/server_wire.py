@@ -356,6 +356,40 @@ def _finished(finish: Any, text: str, n_tokens: int, max_tokens: int) -> str:
     return str(finish)
 
 
+class _StreamTally:
+    """What a streamed answer has said so far: its tokens with their logprob entries, its text,
+    its finish reason and when its first token came; the rules both endpoints share (no token
+    after the finish reason) are applied as chunks are added."""
+
+    def __init__(self) -> None:
+        self.sent = time.perf_counter()
+        self.first: float | None = None
+        self.tokens: list[Any] = []
+        self.entries: list[Any] = []
+        self.text: list[str] = []
+        self.finish: Any = None
+
+    def add(self, choice: dict[str, Any], piece: str, tokens: list[Any], entries: list[Any]) -> None:
+        if tokens:
+            if self.finish is not None:
+                raise ServerReplyError("tokens after the finish reason")
+            if self.first is None:
+                self.first = time.perf_counter()
+            self.tokens += tokens
+            self.entries += entries
+        self.text.append(piece)
+        if choice.get("finish_reason") is not None:
+            self.finish = choice["finish_reason"]
+
+    def finished(self, max_tokens: int) -> tuple[str, str, dict[str, float]]:
+        """(text, finish reason, timing) of a stream that ended: see :func:`_finished`."""
+        end = time.perf_counter()
+        text = "".join(self.text)
+        reason = _finished(self.finish, text, len(self.tokens), max_tokens)
+        return text, reason, {"ttft_s": (self.first if self.first is not None else end) - self.sent,
+                              "total_s": end - self.sent}
+
+
 async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab: int | None) -> RawGeneration:
     """One streamed completion (``payload`` asks ``logprobs`` k with ``return_tokens_as_token_ids``):
     every chunk with text has ``logprobs`` and one ``top_logprobs`` row per token, and the stream
@@ -363,17 +397,14 @@ async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab
     :class:`~regress.backends.server_http.ServerClient`."""
     k = int(payload["logprobs"])
     max_tokens = int(payload["max_tokens"])
-    tokens: list[str] = []
-    tops: list[dict[str, float]] = []
-    text: list[str] = []
-    finish: Any = None
-    first: float | None = None
-    sent = time.perf_counter()
+    tally = _StreamTally()
     # Only collect while streaming (the client shares the CPU with the server); parse after.
     async for chunk in client.events(path, payload, limit=stream_limit(len(payload["prompt"]), max_tokens, k + 1)):
         for choice in _choices(chunk):
             piece = _text(choice.get("text"))
             logprobs = choice.get("logprobs")
+            new: Any = []
+            rows: Any = []
             if logprobs is None:
                 if piece:
                     raise ServerReplyError("text without token ids (a chunk with text but no logprobs)")
@@ -383,21 +414,10 @@ async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab
                 if not isinstance(new, list) or not isinstance(rows, list) or len(rows) != len(new):
                     raise ServerReplyError(f"a chunk with {count(new)} tokens and {count(rows)} top_logprobs rows "
                                            "(one row per token)")
-                if new:
-                    if finish is not None:
-                        raise ServerReplyError("tokens after the finish reason")
-                    if first is None:
-                        first = time.perf_counter()
-                    tokens += new
-                    tops += rows
-            text.append(piece)
-            if choice.get("finish_reason") is not None:
-                finish = choice["finish_reason"]
-    end = time.perf_counter()
-    reason = _finished(finish, "".join(text), len(tokens), max_tokens)
-    ids, logprob_rows = stream_rows(tokens, tops, k, vocab)
-    return RawGeneration(output_token_ids=ids, text="".join(text), finish_reason=reason, logprobs=logprob_rows,
-                         timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
+            tally.add(choice, piece, new, rows)
+    text, reason, timing = tally.finished(max_tokens)
+    ids, logprob_rows = stream_rows(tally.tokens, tally.entries, k, vocab)
+    return RawGeneration(output_token_ids=ids, text=text, finish_reason=reason, logprobs=logprob_rows, timing=timing)
 
 
 async def read_chat(client: Any, path: str, payload: dict[str, Any], k: int, prompt_tokens: int,
@@ -407,12 +427,7 @@ async def read_chat(client: Any, path: str, payload: dict[str, Any], k: int, pro
     a finish reason and ``[DONE]``. ``prompt_tokens``: regress's own count, for the byte limit."""
     max_tokens = int(payload["max_tokens"])
     prompt_ids: list[int] | None = None
-    ids_out: list[int] = []
-    contents: list[dict[str, Any]] = []
-    text: list[str] = []
-    finish: Any = None
-    first: float | None = None
-    sent = time.perf_counter()
+    tally = _StreamTally()
     limit = stream_limit(prompt_tokens, max_tokens, int(payload["top_logprobs"]) + 2)
     async for chunk in client.events(path, payload, limit=limit):
         if chunk.get("prompt_token_ids") is not None:
@@ -432,20 +447,10 @@ async def read_chat(client: Any, path: str, payload: dict[str, Any], k: int, pro
             ids = token_ids(ids, vocab, "token_ids")
             if len(ids) != len(content):
                 raise ServerReplyError(f"a chunk with {len(ids)} token ids and {len(content)} logprob entries")
-            if ids:
-                if finish is not None:
-                    raise ServerReplyError("tokens after the finish reason")
-                if first is None:
-                    first = time.perf_counter()
-                ids_out += ids
-                contents += content
-            text.append(piece)
-            if choice.get("finish_reason") is not None:
-                finish = choice["finish_reason"]
-    end = time.perf_counter()
+            tally.add(choice, piece, ids, content)
     if not prompt_ids:
         raise ServerReplyError("no prompt_token_ids for a chat request (return_token_ids)")
-    reason = _finished(finish, "".join(text), len(ids_out), max_tokens)
-    return RawGeneration(output_token_ids=ids_out, text="".join(text), finish_reason=reason,
-                         logprobs=chat_rows(ids_out, contents, k, vocab), prompt_token_ids=prompt_ids,
-                         timing={"ttft_s": (first if first is not None else end) - sent, "total_s": end - sent})
+    text, reason, timing = tally.finished(max_tokens)
+    return RawGeneration(output_token_ids=tally.tokens, text=text, finish_reason=reason,
+                         logprobs=chat_rows(tally.tokens, tally.entries, k, vocab), prompt_token_ids=prompt_ids,
+                         timing=timing)
