@@ -145,6 +145,11 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
         report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
                             metrics=metrics, noise=noise)
+    from regress.power.ladder import load_power
+
+    power = load_power(params.power_dir(), golden_run.manifest.run_id, thresholds)
+    if power is not None:  # the gate's measured detection power, shown beside its verdict
+        report = report.model_copy(update={"metrics": report.metrics.model_copy(update={"detection_power": power})})
     return _Scoring(report, golden_run, run, prompt_set, out or params.scores_dir() / spec.name)
 
 

@@ -545,6 +545,9 @@ register_watch(app)
 from regress.bisect.cli import register as register_bisect  # noqa: E402  (adds `regress bisect`)
 
 register_bisect(app)
+from regress.power.cli import register as register_power  # noqa: E402  (adds `regress power`)
+
+register_power(app)
 from regress.envs.cli import register as register_env  # noqa: E402  (adds `regress env`)
 
 register_env(app)

@@ -75,6 +75,11 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
         _out(f"  latency {m.latency_verdict.upper()} ({gates})" + "".join(f"\n  - {r}" for r in m.latency_reasons))
     for reason in report.verdict_reasons:
         _out(f"  - {reason}")
+    if m.verdict_basis:
+        _out(f"  the verdict rests on {m.verdict_basis}")
+    if m.detection_power is not None:
+        _out(f"  detection power: {m.detection_power.summary}"
+             + ("" if m.detection_power.current else " (measured with other thresholds: run `regress power` again)"))
     worst = [s for s in report.scores if s.prompt_class == "regression"][:5]
     for s in worst:
         _out(f"  regression {s.prompt_id}: {'; '.join(s.reasons)}")

@@ -68,6 +68,8 @@ class Paths(BaseModel):
     """Per candidate ``scores/<name>/scores.json`` and ``metrics.json`` (DVC metrics)."""
     reports: str = "reports"
     """Reports: ``reports/index.html`` and ``reports/<name>/``."""
+    power: str = "power"
+    """``regress power``: its ladder's runs (``power/<step>/``) and ``power/power.json``."""
 
 
 class QuantizeJob(BaseModel):
@@ -243,6 +245,9 @@ class Params:
 
     def reports_dir(self) -> Path:
         return self.root / self.paths.reports
+
+    def power_dir(self) -> Path:
+        return self.root / self.paths.power
 
 
 def merge_candidate(baseline: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -10,12 +10,14 @@ The time per output token of a request is ``(total - TTFT) / max(1, output token
 decode time spread over the tokens after the first. Percentiles are numpy's default (linear
 interpolation between the closest ranks), over the requests that have the time.
 
-Whether a candidate is slower is judged apart from its outputs (:func:`regress.verdict.latency_verdict`).
+Whether a candidate is slower is judged apart from its outputs (:func:`latency_verdict`, below).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -98,3 +100,69 @@ def compare_runs(golden: RunResult, run: RunResult) -> LatencyComparison:
 def timed(comparison: LatencyComparison | None) -> bool:
     """Whether either side has per-request times (a ``server`` run)."""
     return comparison is not None and (comparison.golden.requests > 0 or comparison.candidate.requests > 0)
+
+
+# ------------------------------------------------------------------ the latency verdict
+
+LATENCY_GATES = (
+    # (ratio field of LatencyComparison, label, golden and candidate stat fields)
+    ("ttft_p95_ratio", "p95 time to first token", "ttft_p95_s"),
+    ("tpot_p95_ratio", "p95 time per output token", "tpot_p95_s"),
+    ("latency_p95_ratio", "p95 total time", "latency_p95_s"),
+)
+"""What ``max_latency_ratio`` bounds, in the order the reasons list them."""
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
+    """The latency verdict of a :class:`~regress.records.LatencyComparison` (or None) under the
+    thresholds ``max_latency_ratio`` and ``min_throughput_ratio``: ``fail`` when a p95 time (TTFT,
+    time per output token, total) is more than ``max_latency_ratio`` times the golden's, or the
+    throughput is below ``min_throughput_ratio`` times the golden's; ``pass`` when something was
+    compared and nothing failed; None (with a reason when a bound was set) when no bound is set or
+    there is nothing to compare. Apart from :func:`run_verdict`: the output verdict does not change;
+    whether this one fails the check is ``gate_latency``."""
+    max_ratio = getattr(t, "max_latency_ratio", None)
+    min_throughput = getattr(t, "min_throughput_ratio", None)
+    if max_ratio is None and min_throughput is None:
+        return None, []
+    if latency is None:
+        return None, ["latency not compared: the runs record no timings"]
+    failures: list[str] = []
+    passes: list[str] = []
+    checked = False
+    if max_ratio is not None:
+        for field, label, stat in LATENCY_GATES:
+            r = getattr(latency, field)
+            if r is None:
+                continue
+            checked = True
+            shown = (f"{label} {_seconds(getattr(latency.candidate, stat))} vs golden "
+                     f"{_seconds(getattr(latency.golden, stat))} ({r:.2f}×)")
+            if math.isnan(r) or r > max_ratio:  # NaN compares false: it must not pass
+                failures.append(f"{shown} exceeds {max_ratio:g}× (max_latency_ratio)")
+            else:
+                passes.append(f"{shown}: within {max_ratio:g}×")
+        if not any(getattr(latency, f) is not None for f, _, _ in LATENCY_GATES):
+            passes.append("per-request latency not compared: no per-request times on both sides "
+                          "(only server runs record them); max_latency_ratio not checked")
+    if min_throughput is not None:
+        r = latency.throughput_ratio
+        if r is None:
+            passes.append("throughput not compared (no generation time recorded); min_throughput_ratio not checked")
+        else:
+            checked = True
+            shown = (f"throughput {latency.candidate.throughput_tokens_per_s:,.1f} tokens/s vs golden "
+                     f"{latency.golden.throughput_tokens_per_s:,.1f} ({r:.2f}×)")
+            if math.isnan(r) or r < min_throughput:
+                failures.append(f"{shown} below {min_throughput:g}× (min_throughput_ratio)")
+            else:
+                passes.append(f"{shown}: at least {min_throughput:g}×")
+    if failures:
+        return "fail", failures + passes
+    return ("pass" if checked else None), passes

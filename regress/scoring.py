@@ -23,7 +23,8 @@ from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
 from regress.runs import RunResult, golden_scored
 from regress.storage import atomic_write_text, read_record
-from regress.verdict import Thresholds, classify, nonfinite, run_verdict
+from regress.verdict import (NoiseJudgement, Thresholds, classify, nonfinite, run_verdict, severe,
+                             verdict_basis)
 
 if TYPE_CHECKING:
     from regress.noise.floor import NoiseFloor
@@ -153,6 +154,7 @@ def score_runs(
     counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
     unforced: list[str] = []
     broken: list[str] = []
+    sampled: set[str] = set()
     for unit in prompt_units(pairs, values):
         pair, row = unit.pairs[0], unit.row
         own = envelopes.get(unit.prompt_id)
@@ -167,6 +169,7 @@ def score_runs(
             made_benign.append(unit.prompt_id)
         answer = None
         if unit.sampled:
+            sampled.add(unit.prompt_id)
             klass, reasons, answer = sampled_class(unit, klass, reasons, expected.get(unit.prompt_id), t)
         elif expected.get(unit.prompt_id):
             answer = check_answer(pair.golden.text, pair.candidate.text, expected[unit.prompt_id])
@@ -180,12 +183,16 @@ def score_runs(
     from regress.stats import run_stats  # interval statistics (scipy, imported on first use)
 
     stats = run_stats(counts, answers, t.confidence)
+    judgement = noise_judgement(scores, noise, t, sampled) if noise is not None else None
     verdict, verdict_reasons = run_verdict(counts, t, answers=answers, stats=stats,
                                            allow_input_drift=run.manifest.candidate.allow_input_drift,
-                                           not_teacher_forced=unforced, nonfinite_ids=broken)
+                                           not_teacher_forced=unforced, nonfinite_ids=broken, noise=judgement)
     sampled_failure, sampled_note = run_shift(scores, t)
     if sampled_failure:
-        verdict_reasons = [sampled_failure] + (verdict_reasons if verdict == "fail" else verdict_reasons[1:])
+        if verdict == "pass":  # the passing count line goes (after the run-level test's line, when there is one)
+            at = 1 if judgement is not None and judgement.test is not None else 0
+            verdict_reasons = verdict_reasons[:at] + verdict_reasons[at + 1:]
+        verdict_reasons = [sampled_failure] + verdict_reasons
         verdict = "fail"
     elif sampled_note:
         verdict_reasons.append(sampled_note)
@@ -200,6 +207,7 @@ def score_runs(
         exact_match_rate=counts["identical"] / n if n else 0.0,
         **fields,
         verdict=verdict,
+        verdict_basis=verdict_basis(judgement),
         tokens_per_s=rm.timings.tokens_per_s,
         golden_tokens_per_s=gm.timings.tokens_per_s,
         tokens_per_s_ratio=(rm.timings.tokens_per_s / gm.timings.tokens_per_s) if gm.timings.tokens_per_s else None,
@@ -216,18 +224,35 @@ def score_runs(
         extra=extra,
         **_latency_fields(golden, run, t),
     )
-    if noise is not None:  # what the noise floor changed, for metrics.json and the report
-        run_metrics = run_metrics.model_copy(update={"noise_floor": noise_floor.applied(configured, t, noise, made_benign)})
+    if noise is not None:  # what the noise floor changed and the run-level test, for metrics.json and the report
+        run_metrics = run_metrics.model_copy(update={
+            "noise_floor": noise_floor.applied(configured, t, noise, made_benign),
+            "noise_test": judgement.test if judgement is not None else None,
+            "severe_regressions": len(judgement.severe_ids) if judgement is not None else None,
+            "severe_regression_ids": list(judgement.severe_ids) if judgement is not None else []})
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
     return ScoredRun(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
 
 
+def noise_judgement(scores: list[PromptScore], noise: NoiseFloor, t: Any,
+                    sampled: set[str] = frozenset()) -> NoiseJudgement:  # type: ignore[assignment]
+    """The run-level test of the comparable prompts against ``noise`` (:mod:`regress.noise.beyond`)
+    and the regressions severe enough to gate on their own (:func:`regress.verdict.severe`).
+    Sampled prompts are judged by their samples' own test (:mod:`regress.metrics.sampled`), not here."""
+    from regress.noise.beyond import compare_to_noise
+
+    rows = {s.prompt_id: s.metrics for s in scores if s.prompt_class != "input_drift" and s.prompt_id not in sampled}
+    test = compare_to_noise(rows, noise, t)
+    severe_ids = tuple(s.prompt_id for s in scores if s.prompt_class == "regression" and severe(s.metrics, t))
+    return NoiseJudgement(test, severe_ids)
+
+
 def _latency_fields(golden: RunResult, run: RunResult, t: Any) -> dict[str, Any]:
     """RunMetrics' latency fields: both runs' latency and their ratios (:mod:`regress.latency`),
-    and the latency verdict, apart from the output verdict (:func:`regress.verdict.latency_verdict`)."""
+    and the latency verdict, apart from the output verdict (:func:`regress.latency.latency_verdict`)."""
     from regress.latency import compare_runs
-    from regress.verdict import latency_verdict
+    from regress.latency import latency_verdict
 
     latency = compare_runs(golden, run)
     verdict, reasons = latency_verdict(latency, t)

@@ -42,7 +42,7 @@ Rates are judged by their confidence intervals (:mod:`regress.stats`): ``max_reg
 ``max_answer_flip_rate`` fail the run when the lower bound of the rate's Wilson interval exceeds them.
 ``max_regression_rate`` set without an explicit ``max_regressions`` turns the count gate off.
 
-Latency is judged apart (:func:`latency_verdict`, ``RunMetrics.latency_verdict``): ``max_latency_ratio``
+Latency is judged apart (:func:`regress.latency.latency_verdict`, ``RunMetrics.latency_verdict``): ``max_latency_ratio``
 bounds the candidate's p95 time to first token, time per output token and total time against the
 golden's, ``min_throughput_ratio`` its throughput. The output verdict never changes for it; a failed
 latency verdict fails the check only with ``gate_latency: true`` (``RunMetrics.gating_failed``).
@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -60,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from regress.errors import ConfigError, MeasureError
 from regress.metrics import registered
 from regress.metrics.spec import Bound, Output, Rule, Setting
+from regress.noise.record import MIN_PROMPTS
 from regress.records import MetricValue, PromptClass
 from regress.validation import first_error
 
@@ -77,6 +79,23 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
     "max_answer_flip_rate": (float | None, Field(None, ge=0, le=1, description=(
         "The run fails when the lower bound of the answer flip rate's Wilson interval ((lost + gained) / "
         "prompts with an expected answer, at `confidence`) exceeds this. None (the default): not gating."))),
+    # The run-level test against the measured noise (regress.noise.beyond; only with golden/noise.json).
+    "noise_alpha": (float, Field(0.01, gt=0, lt=0.5, description=(
+        "With a measured noise floor: significance level of the run-level test (one-sided Wilcoxon signed-rank "
+        "of each prompt's teacher-forced KL, top-1 disagreement and overturned margin against its noise "
+        "envelope, Holm-corrected over the three)."))),
+    "noise_min_ratio": (float, Field(1.5, ge=1, description=(
+        "With a measured noise floor: a measure is beyond the noise only when the candidate's mean is at least "
+        "this times the envelope's on the same prompts (significant and material)."))),
+    "noise_kl_resolution": (float, Field(1e-5, ge=0, description=(
+        "With a measured noise floor: teacher-forced KL (nat per token) below this is no difference in the "
+        "run-level test, on either side (a float32 baseline's own noise is about 1e-13, bf16's 1e-5 to 1e-3)."))),
+    "severe_regression": (float, Field(3.0, ge=1, description=(
+        "With a measured noise floor, `max_regressions` counts only regressions at least this severe (how far "
+        "past its regression bound a prompt is: 1 at the bound; a failed top-k check and a NaN or infinite "
+        "measure always count). Milder "
+        "regressions explain where the run moved; whether it moved beyond the noise is the run-level test's "
+        "call. Without a noise floor every regression counts."))),
     "confidence": (float, Field(0.95, ge=0.5, le=0.999, description=(
         "Confidence level of the rate intervals (Wilson score) in metrics.json and the rate gates."))),
     # Latency (regress.latency): judged apart from the outputs, in RunMetrics.latency_verdict.
@@ -357,8 +376,15 @@ def run_verdict(counts: dict[str, int], t: Any, *,
                 stats: Mapping[str, Any] | None = None,
                 allow_input_drift: bool = False,
                 not_teacher_forced: Sequence[str] = (),
-                nonfinite_ids: Sequence[str] = ()) -> tuple[str, list[str]]:
+                nonfinite_ids: Sequence[str] = (),
+                noise: "NoiseJudgement | None" = None) -> tuple[str, list[str]]:
     """``pass`` or ``fail`` for the run, with reasons.
+
+    ``noise``: with a measured noise floor, the run-level test and which regressions are severe
+    (:class:`NoiseJudgement`). Then the run fails when the test finds it beyond the baseline's
+    noise, or when more than ``max_regressions`` prompts are *severe* regressions; milder ones stay
+    as the explanation of where it moved. Without one every regression counts against
+    ``max_regressions``, and the reasons say that the verdict rests on fixed per-prompt thresholds.
 
     Prompts whose input tokens changed (``input_drift``: tokenizer, chat template, special tokens)
     fail the run unless the candidate sets ``allow_input_drift: true``: the candidate was asked
@@ -382,8 +408,17 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     regressions = counts.get("regression", 0)
     by_count = count_gate(t)
     failures, passes = [], []
-    if by_count and regressions > t.max_regressions:
-        failures.append(f"{regressions} prompt(s) regressed (allowed: {t.max_regressions})")
+    judged = noise is not None and noise.test is not None
+    gating = len(noise.severe_ids) if judged else regressions
+    if judged:
+        (failures if noise.test.beyond else passes).append(f"the run as a whole is {noise.test.summary}")
+    if by_count and gating > t.max_regressions:
+        if judged:
+            failures.append(f"{gating} prompt(s) regressed severely ({_ids(noise.severe_ids)}: at least "
+                            f"{t.severe_regression:g}x past a regression bound, a token outside the other side's "
+                            f"top-k, or a broken measure; allowed: {t.max_regressions})")
+        else:
+            failures.append(f"{regressions} prompt(s) regressed (allowed: {t.max_regressions})")
     for gate, name, label in (("max_regression_rate", "regression_rate", "regression rate"),
                               ("max_answer_flip_rate", "answer_flip_rate", "answer flip rate")):
         line = _rate_gate(stats, getattr(t, gate), name, label)
@@ -398,16 +433,69 @@ def run_verdict(counts: dict[str, int], t: Any, *,
                         "`regress diff` names what differs): set allow_input_drift: true on the candidate to accept it")
     notes = _answer_notes(answers, t, failed=bool(answer_failure), stats=stats)
     notes += _unmeasured_notes(not_teacher_forced, nonfinite_ids)
+    notes += _basis_notes(noise, regressions, t)
     if failures:
-        return "fail", failures + notes
-    if by_count:
+        within = [passes[0]] if judged and not noise.test.beyond else []  # the run-level call, said either way
+        return "fail", failures + within + notes
+    if by_count and judged:
+        reasons = [passes.pop(0), f"{gating} severe regression(s), allowed {t.max_regressions}"]
+    elif by_count:
         reasons = [f"{regressions} regression(s), allowed {t.max_regressions}"]
     else:
         reasons = [f"{regressions} regression(s) (the count does not gate: max_regression_rate is set)"]
+        if judged:
+            reasons.insert(0, passes.pop(0))
     reasons += passes
     if drifted:
         reasons.append(f"{drifted} prompt(s) changed their input tokens, accepted (allow_input_drift: true)")
     return "pass", reasons + notes
+
+
+@dataclass(frozen=True)
+class NoiseJudgement:
+    """What a measured noise floor adds to the run verdict."""
+
+    test: Any
+    """The run-level test (a :class:`~regress.noise.record.NoiseTest`); None when too few prompts pair."""
+    severe_ids: tuple[str, ...] = ()
+    """The regressions severe enough to gate on their own (:func:`severe`), in prompt set order."""
+
+
+def severe(values: Mapping[str, Any], t: Any) -> bool:
+    """A regression that gates on its own beside the run-level test: a NaN or infinite measure, a
+    rule that finds a regression (vLLM's top-k check: a token the other side did not even rank is
+    categorical, not a matter of degree, and no noise arm measured makes one), or :func:`severity`
+    at least ``severe_regression`` (far past a bound). Damage on a few prompts, which a test over
+    the whole run cannot see, is of these kinds."""
+    if nonfinite(values) or severity(values, t) >= t.severe_regression:
+        return True
+    return any(isinstance(step, Rule) and step.check(values, t)[0] for step in gates())
+
+
+def _basis_notes(noise: "NoiseJudgement | None", regressions: int, t: Any) -> list[str]:
+    """How a noise floor's judgement bears on the regressions (the basis itself: :func:`verdict_basis`)."""
+    if noise is None:
+        return []
+    if noise.test is None:
+        return [f"too few prompts pair with the noise floor for a run-level test (at least {MIN_PROMPTS}): the "
+                "verdict rests on the per-prompt thresholds (widened by the floor)"]
+    mild = regressions - len(noise.severe_ids)
+    if mild > 0:
+        return [f"{mild} milder regression(s) (severity below {t.severe_regression:g}) show where the run moved; "
+                "they do not gate on their own: whether it moved beyond the noise is the run-level test's call"]
+    return []
+
+
+def verdict_basis(noise: "NoiseJudgement | None") -> str:
+    """What the run verdict rests on, in one line (``RunMetrics.verdict_basis``)."""
+    if noise is None:
+        return ("fixed per-prompt thresholds alone: no noise floor was measured (golden/noise.json), so nothing "
+                "tells a change from the baseline's own noise; add `noise:` to params.yaml and run `regress noise` "
+                "for the run-level test")
+    if noise.test is None:
+        return "per-prompt thresholds widened by the measured noise floor (too few prompts for the run-level test)"
+    return ("the run-level test against the baseline's measured noise (golden/noise.json), and regressions "
+            "severe enough to gate on their own")
 
 
 SHOWN_IDS = 5
@@ -470,67 +558,3 @@ def _answer_notes(answers: Mapping[str, Any] | None, t: Any, *, failed: bool,
     elif lost:
         note += " (reported, not gating: thresholds.max_answer_flips_lost is not set)"
     return [note]
-
-
-LATENCY_GATES = (
-    # (ratio field of LatencyComparison, label, golden and candidate stat fields)
-    ("ttft_p95_ratio", "p95 time to first token", "ttft_p95_s"),
-    ("tpot_p95_ratio", "p95 time per output token", "tpot_p95_s"),
-    ("latency_p95_ratio", "p95 total time", "latency_p95_s"),
-)
-"""What ``max_latency_ratio`` bounds, in the order the reasons list them."""
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "—"
-    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
-
-
-def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
-    """The latency verdict of a :class:`~regress.records.LatencyComparison` (or None) under the
-    thresholds ``max_latency_ratio`` and ``min_throughput_ratio``: ``fail`` when a p95 time (TTFT,
-    time per output token, total) is more than ``max_latency_ratio`` times the golden's, or the
-    throughput is below ``min_throughput_ratio`` times the golden's; ``pass`` when something was
-    compared and nothing failed; None (with a reason when a bound was set) when no bound is set or
-    there is nothing to compare. Apart from :func:`run_verdict`: the output verdict does not change;
-    whether this one fails the check is ``gate_latency``."""
-    max_ratio = getattr(t, "max_latency_ratio", None)
-    min_throughput = getattr(t, "min_throughput_ratio", None)
-    if max_ratio is None and min_throughput is None:
-        return None, []
-    if latency is None:
-        return None, ["latency not compared: the runs record no timings"]
-    failures: list[str] = []
-    passes: list[str] = []
-    checked = False
-    if max_ratio is not None:
-        for field, label, stat in LATENCY_GATES:
-            r = getattr(latency, field)
-            if r is None:
-                continue
-            checked = True
-            shown = (f"{label} {_seconds(getattr(latency.candidate, stat))} vs golden "
-                     f"{_seconds(getattr(latency.golden, stat))} ({r:.2f}×)")
-            if math.isnan(r) or r > max_ratio:  # NaN compares false: it must not pass
-                failures.append(f"{shown} exceeds {max_ratio:g}× (max_latency_ratio)")
-            else:
-                passes.append(f"{shown}: within {max_ratio:g}×")
-        if not any(getattr(latency, f) is not None for f, _, _ in LATENCY_GATES):
-            passes.append("per-request latency not compared: no per-request times on both sides "
-                          "(only server runs record them); max_latency_ratio not checked")
-    if min_throughput is not None:
-        r = latency.throughput_ratio
-        if r is None:
-            passes.append("throughput not compared (no generation time recorded); min_throughput_ratio not checked")
-        else:
-            checked = True
-            shown = (f"throughput {latency.candidate.throughput_tokens_per_s:,.1f} tokens/s vs golden "
-                     f"{latency.golden.throughput_tokens_per_s:,.1f} ({r:.2f}×)")
-            if math.isnan(r) or r < min_throughput:
-                failures.append(f"{shown} below {min_throughput:g}× (min_throughput_ratio)")
-            else:
-                passes.append(f"{shown}: at least {min_throughput:g}×")
-    if failures:
-        return "fail", failures + passes
-    return ("pass" if checked else None), passes

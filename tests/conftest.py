@@ -84,7 +84,7 @@ STARTS: dict[str, frozenset[str]] = {
     # vLLM (or the HF reference) engine processes, or results only they make.
     "engine": frozenset({"golden_dir", "same_run", "alone_arm", "verdict_workspace", "lab", "warm_engines",
                          "sampled_workspace", "damaged_workspace", "pipeline", "bisect_workspace", "alone",
-                         "served", "server_workspace", "main_worker", "shared_engines"}),
+                         "served", "server_workspace", "main_worker", "shared_engines", "power_project"}),
     # vLLM's OpenAI-compatible HTTP server.
     "server": frozenset({"served", "server_workspace"}),
     # Celery worker processes.

@@ -21,7 +21,8 @@ from regress.report.payload import build_payload
 from regress.report.render import render_candidate
 from regress.report.summary import summary_markdown
 from regress.runs import load_run
-from regress.verdict import Thresholds, latency_verdict
+from regress.latency import latency_verdict
+from regress.verdict import Thresholds
 
 PROMPTS = 12
 

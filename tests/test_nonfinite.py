@@ -21,7 +21,8 @@ from regress.metrics.spec import Bound, Output, Setting
 from regress.records import Generation, LogprobTrack, ResolvedSampling
 from regress.replay.plan import sample_id
 from regress.scoring import build_metrics, score_runs
-from regress.verdict import Thresholds, classify, latency_verdict, past, severity
+from regress.latency import latency_verdict
+from regress.verdict import Thresholds, classify, past, severity
 from report_fixtures import NO_SEMANTIC, build_case
 
 NAN, INF = float("nan"), float("inf")

@@ -37,6 +37,19 @@ def _at_concurrency(baseline: "CandidateSpec", n: int) -> "CandidateSpec":
     return baseline.model_copy(update={"server": server.model_copy(update={"concurrency": n})})
 
 
+def _implementation(baseline: "CandidateSpec", arm: str) -> "CandidateSpec":
+    """The baseline as the ``float32`` or ``compile`` arm runs it."""
+    from regress.errors import ConfigError
+
+    if arm == "float32":
+        if baseline.dtype == "float32":
+            raise ConfigError(f"the 'float32' noise arm measures the rounding of the baseline's dtype; "
+                              f"'{baseline.name}' already runs in float32", field="noise.arms")
+        return baseline.model_copy(update={"dtype": "float32"})
+    eager = bool(baseline.engine_args.get("enforce_eager", False))
+    return baseline.model_copy(update={"engine_args": {**baseline.engine_args, "enforce_eager": not eager}})
+
+
 def run_arms(
     baseline: "CandidateSpec",
     prompt_set: "PromptSet",
@@ -73,6 +86,8 @@ def run_arms(
         spec = baseline
         if arm.name == "concurrency":
             spec = _at_concurrency(baseline, arm.concurrency_for(golden_concurrency))
+        elif arm.name in ("float32", "compile"):
+            spec = _implementation(baseline, arm.name)
         if progress is not None:
             progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
         manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size,

@@ -31,3 +31,56 @@ class NoiseApplied(_Stored):
     """Their ids, in prompt set order."""
     made_benign: list[str] = Field(default_factory=list)
     """Prompts that are benign only because of their noise envelope."""
+
+
+MIN_PROMPTS = 6
+"""Fewer paired prompts than this and no one-sided signed-rank p-value can reach 0.01 (6 prompts
+all above: p = 1/64): the run-level test is not run and the verdict rests on the per-prompt rules."""
+
+
+class MeasureTest(_Stored):
+    """One measure of the run-level test (:mod:`regress.noise.beyond`): the candidate's per-prompt
+    values against the noise envelope's on the same prompts."""
+
+    measure: str
+    """``tf_kl_mean``, ``tf_disagreement`` (1 - same-top-1) or ``tf_max_flipped_margin``."""
+    label: str
+    """The measure in words."""
+    prompts: int
+    """Prompts paired (both sides have the measure)."""
+    candidate_mean: float
+    """The candidate's mean over those prompts."""
+    noise_mean: float
+    """The envelope's mean over the same prompts (the worst any arm did on each)."""
+    ratio: float | None
+    """candidate_mean / noise_mean; None when the noise is exactly 0 on every paired prompt."""
+    above: int
+    """Prompts where the candidate is beyond the prompt's envelope."""
+    statistic: float
+    """The one-sided Wilcoxon signed-rank statistic (sum of the ranks of the positive excesses)."""
+    p_value: float
+    """Its one-sided p-value: how likely an excess this consistent is if the candidate moved no more than
+    the noise (1.0 when nothing is above the envelope)."""
+    p_adjusted: float
+    """The p-value after Holm's correction over the measures tested (what ``alpha`` is compared with)."""
+    effect: float
+    """Matched-pairs rank-biserial correlation, -1..1: 1 when every prompt is beyond its envelope."""
+    beyond: bool
+    """This measure says the run moved beyond the noise (p_adjusted < alpha and ratio >= min_ratio)."""
+
+
+class NoiseTest(_Stored):
+    """The run-level fidelity test against the measured noise (``RunMetrics.noise_test``)."""
+
+    alpha: float
+    """Significance level (``noise.alpha``)."""
+    min_ratio: float
+    """Smallest candidate/noise mean ratio that counts as beyond (``noise.min_ratio``)."""
+    measures: list[MeasureTest]
+    """One test per measure, in :data:`regress.noise.beyond.MEASURES` order."""
+    left_out: int
+    """Comparable prompts not paired (no teacher-forced measure on one side, or a non-finite value)."""
+    beyond: bool
+    """Some measure is beyond the noise: the run as a whole moved more than the baseline's own noise."""
+    summary: str
+    """One line: within or beyond, with the deciding measure's ratio, effect and p-value."""

@@ -4,6 +4,7 @@ Opt-in. Example::
 
     noise:
       arms: [rerun, batch, alone]     # or mappings: {name: batch, shard_size: 4}
+                                      # implementation noise: float32, compile
                                       # a server baseline also: concurrency ({name: concurrency, concurrency: 16})
       k: 2                            # run-level bounds become max(configured, k x floor)
       quantile: 0.95                  # which per-prompt noise value is "the floor"
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ArmName = Literal["rerun", "batch", "alone", "concurrency"]
+ArmName = Literal["rerun", "batch", "alone", "concurrency", "float32", "compile"]
 NOT_YET: dict[str, str] = {}
 """Arms named in the schema but not available, with why."""
 DEFAULT_CONCURRENCY = 8
@@ -30,7 +31,10 @@ class NoiseArm(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: ArmName
-    """``rerun`` (same layout as the golden), ``batch`` (another shard size), ``alone`` (shard size 1)."""
+    """``rerun`` (same layout as the golden), ``batch`` (another shard size), ``alone`` (shard size 1);
+    implementation noise: ``float32`` (the baseline computed in float32: how much of the golden is its
+    own dtype's rounding, the size of the difference another kernel or release makes) and ``compile``
+    (torch.compile if the baseline runs eager, eager if it compiles)."""
     shard_size: int | None = Field(None, ge=1, le=100_000)
     """``batch`` only: prompts per engine batch (default: the golden's doubled)."""
     concurrency: int | None = Field(None, ge=1, le=1024)
@@ -72,6 +76,10 @@ class NoiseArm(BaseModel):
 
     def changed(self, golden_shard_size: int, golden_concurrency: int = 1) -> str:
         """What the arm changed, in words."""
+        if self.name == "float32":
+            return "precision: the baseline computed in float32 (its own dtype's rounding, measured)"
+        if self.name == "compile":
+            return "kernels: the baseline with torch.compile toggled (eager against compiled)"
         if self.name == "concurrency":
             return (f"requests in flight: {self.concurrency_for(golden_concurrency)} instead of {golden_concurrency} "
                     "(the server batches whatever is in flight together)")

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from regress.noise.record import NoiseApplied
+from regress.noise.record import NoiseApplied, NoiseTest
+from regress.power.record import PowerFigure
 from regress.records.base import FORMAT_VERSION, _Record
 from regress.records.manifest import RunManifest
 
@@ -143,6 +144,9 @@ class RunMetrics(_Record):
     """Mean first-divergence position over diverged prompts."""
     verdict: Literal["pass", "fail"]
     """pass: no regression beyond the allowance; fail: CI should stop the rollout."""
+    verdict_basis: str | None = None
+    """What the verdict rests on: the run-level test against the measured noise, or fixed per-prompt
+    thresholds alone (no noise floor); None in files written before it."""
     tokens_per_s: float
     """Candidate generation throughput."""
     golden_tokens_per_s: float
@@ -210,6 +214,19 @@ class RunMetrics(_Record):
     """The baseline's measured noise floor applied to this scoring (``golden/noise.json``): arms,
     floor per measure, the bounds in force and the prompts noisy on the baseline itself; left out
     of the file when none was applied."""
+    noise_test: NoiseTest | None = Field(None, exclude_if=lambda v: v is None)
+    """The run-level test against the measured noise (:mod:`regress.noise.beyond`): whether the run as a
+    whole moved beyond the baseline's noise, per measure with its ratio, effect and p-value; left out of
+    the file without a noise floor (or with too few prompts to test)."""
+    severe_regressions: int | None = Field(None, exclude_if=lambda v: v is None)
+    """With a noise floor: the regressions severe enough to gate on their own (``thresholds.severe_regression``);
+    ``max_regressions`` counts these. Left out of the file without a noise floor (then every regression counts)."""
+    severe_regression_ids: list[str] = Field(default_factory=list, exclude_if=lambda v: not v)
+    """Their ids, in prompt set order."""
+    detection_power: PowerFigure | None = Field(None, exclude_if=lambda v: v is None)
+    """The gate's detection power on this golden and prompt set (``regress power``, power/power.json): the
+    smallest planted weight noise it fails and its margin to the noise arms; left out of the file when not
+    measured for this golden."""
     extra: dict[str, float | None] = Field(default_factory=dict, exclude_if=lambda v: not v)
     """Aggregates of metrics that have no field above (plugins' metrics), by the name their spec
     gives; left out of the file when there are none."""

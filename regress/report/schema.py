@@ -11,9 +11,11 @@ import inspect
 import json
 from typing import Any
 
+from regress.noise.record import MeasureTest, NoiseTest
+from regress.power.record import PowerFigure
 from regress.records import LatencyComparison, LatencyStats, RunMetrics
 
-DOCUMENTED_DEFS = (LatencyStats, LatencyComparison)
+DOCUMENTED_DEFS = (LatencyStats, LatencyComparison, NoiseTest, MeasureTest, PowerFigure)
 """Records nested in RunMetrics whose fields' docstrings the schema carries too (under ``$defs``)."""
 
 

@@ -140,6 +140,13 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
                       f"{' …' if nf.noisy_prompts > ANSWER_IDS_LISTED else ''}; "
                       f"{len(nf.made_benign):,} benign within their envelope; bounds in force: "
                       + ", ".join(f"{md_text(k)} {v:.4g}" for k, v in nf.bounds.items()) + "."]
+    if m.noise_test is not None:
+        lines += ["", f"**Run-level test:** {md_text(m.noise_test.summary)}."]
+    if m.verdict_basis:
+        lines += ["", f"**The verdict rests on** {md_text(m.verdict_basis)}."]
+    if m.detection_power is not None:
+        stale = "" if m.detection_power.current else " (measured with other thresholds: run `regress power` again)"
+        lines += ["", f"**Detection power:** {md_text(m.detection_power.summary)}{stale}"]
     changed = [s for s in config_diff(score.golden, score.run) if s.changed]
     lines += ["", f"**Configuration:** {len(changed)} setting(s) differ from the baseline."]
     if changed:

