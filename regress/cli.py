@@ -332,16 +332,18 @@ def diff_command(
 
     from regress.config import load_params
     from regress.effective import MITIGATION, WHY, differences, template_lines
-    from regress.report.configdiff import applied_differences
+    from regress.report.configdiff import applied_differences, applied_input_defaults_drift
 
     p = load_params(params)
     a, b = p.candidate(baseline), p.candidate(candidate)
     found = differences(a, b)
     where = template_lines(a, b)
     applied = applied_differences(p, a.name, b.name)
+    drift = applied_input_defaults_drift(p, a.name, b.name)
     if as_json:
         _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": [d.row() for d in found],
                           "chat_template_first_difference": list(where) if where else None,
+                          "input_defaults_drift": drift,
                           "applied_differences": None if applied is None else [
                               {"setting": s.name, "baseline": s.baseline, "candidate": s.candidate} for s in applied]},
                          indent=2))
@@ -361,6 +363,8 @@ def diff_command(
         _out("\nas the engines applied it (the runs' manifests):")
         for s in applied:
             _out(f"  {s.name}: {s.baseline} -> {s.candidate}")
+    if drift:  # the server filled what the requests left unset, and not as the golden's did
+        _out(f"\n{drift}")
 
 
 @app.command()

@@ -40,7 +40,8 @@ WHY: dict[Source, str] = {
 }
 MITIGATION: dict[Source, str] = {
     "input": "pin the tokenizer and chat template (chat_template:) and check the prompt token ids",
-    "input defaults": "set every sampling parameter explicitly (regress does) or override generation_config",
+    "input defaults": "pin the generation defaults on both sides (generation_config, the server's --generation-config), "
+                      "or set the field in the prompt set; server.sampling_fields: all sends every field explicitly",
     "scheduling and batching": "fixed batch sizes, batch-invariant kernels (VLLM_BATCH_INVARIANT=1), or measure the noise floor",
     "kernels and precision": "higher precision for checks (float32), the same KV-cache dtype, eager vs compiled on both sides",
     "sampling": "explicit sampling parameters and seeds",
@@ -80,6 +81,11 @@ GENERATION_SAMPLING_KEYS: dict[str, str] = {
 }
 """generation_config.json keys regress applies, and the sampling field each fills."""
 _SAMPLER_KEYS = ("temperature", "top_p", "top_k")
+SERVER_GENERATION_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                          "top_p", "min_p", "max_new_tokens")
+"""generation_config.json keys vLLM's server applies to the fields a request leaves unset
+(``ModelConfig.get_diff_sampling_param``; ``max_new_tokens`` as ``max_tokens``)."""
+LEARNT_AT_RUN = "learnt when it runs (the run's manifest: server defaults)"
 
 
 def generation_config_dir(spec: CandidateSpec) -> Path | None:
@@ -127,6 +133,29 @@ def generation_defaults(spec: CandidateSpec) -> dict[str, Any]:
     skip = _SAMPLER_KEYS if data.get("do_sample") is False else ()
     return {field: data[key] for key, field in GENERATION_SAMPLING_KEYS.items()
             if data.get(key) is not None and key not in skip}
+
+
+def server_defaults(spec: CandidateSpec) -> dict[str, Any] | str:
+    """The defaults a server regress starts for ``spec`` will apply to fields a request leaves
+    unset, as vLLM computes them: the ``generation_config`` engine argument (vLLM's default
+    ``auto``: the model directory's file; ``vllm``: none; else a directory), then
+    ``override_generation_config`` over it. A server at ``url`` (or a file regress cannot read
+    here) is known only when it runs: :data:`LEARNT_AT_RUN`."""
+    if spec.server is not None and spec.server.url:
+        return LEARNT_AT_RUN
+    source = spec.engine_args.get("generation_config", MODEL_DEFAULTS)
+    found: dict[str, Any] = {}
+    if source != NO_MODEL_DEFAULTS:
+        directory = _local(spec.model if source == MODEL_DEFAULTS else str(source))
+        if directory is None:
+            return LEARNT_AT_RUN
+        found = _json(directory / GENERATION_CONFIG_FILE)
+    overrides = spec.engine_args.get("override_generation_config")
+    if isinstance(overrides, dict):
+        found = {**found, **overrides}
+    out = {("max_tokens" if k == "max_new_tokens" else k): found[k] for k in SERVER_GENERATION_KEYS
+           if found.get(k) is not None}
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -228,6 +257,15 @@ def effective_config(spec: CandidateSpec, defaults: dict[str, Any] | None = None
         settings = spec.server
         add("scheduling and batching", "server.concurrency", settings.concurrency if settings else 1)
         add("engine", "server.url", (settings.url if settings else None) or "started by regress")
+        # What a request leaves unset, the server fills in: what it will fill in, where it is
+        # known or unknown (left out when none, as for every other backend).
+        filled = server_defaults(spec)
+        if filled:
+            add("input defaults", "server defaults", filled)
+    # Which sampling fields go out: every one (offline, hf, server's ``all``) or a client's.
+    add("input defaults", "sampling fields sent",
+        spec.server.sampling_fields if spec.backend == "server" and spec.server else
+        "client" if spec.backend == "server" else "all")
     for key, value in sorted(spec.env.items()):
         add(ENV_SOURCES.get(key, "engine"), f"env {key}", value)
     for key, value in sorted(spec.engine_args.items()):

@@ -33,10 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from regress.backends.server_http import ServerClient, shown_url  # noqa: F401  (shown_url re-exported)
+from regress.backends.server_sampling import LOG_MARKER
 from regress.errors import ServerHTTPError, ServerReplyError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _LOG_LINES = 40
+_SAMPLING_LINES = 8
+"""Most log lines kept that may state the server's sampling defaults (vLLM logs one or three)."""
+_SAMPLING_LINE_CHARS = 4096
+_STARTED_MARKER = "Application startup complete"
 UDS_FLAG = "--uds"
 SOCKET_NAME = "server.sock"
 _SUN_PATH_MAX = 100
@@ -162,6 +167,8 @@ class ServerProcess:
     def __init__(self, command: list[str], env: dict[str, str], sink: Any = None):
         self.command = command
         self._tail: collections.deque[str] = collections.deque(maxlen=_LOG_LINES)
+        self._sampling: list[str] = []
+        self._started = threading.Event()
         self._sink = sink if sink is not None else sys.stderr
         # Same process group and session as the engine process: regress kills the group.
         self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -174,11 +181,24 @@ class ServerProcess:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace")
             self._tail.append(line.rstrip("\n"))
+            # Kept apart, bounded: the log is the server's output (the defaults it states are
+            # checked where they are read, regress.backends.server_sampling).
+            if len(self._sampling) < _SAMPLING_LINES and LOG_MARKER in line[:_SAMPLING_LINE_CHARS].lower():
+                self._sampling.append(line[:_SAMPLING_LINE_CHARS])
+            if _STARTED_MARKER in line:
+                self._started.set()
             try:
                 self._sink.write(line)
                 self._sink.flush()
             except (OSError, ValueError):
                 pass
+
+    def sampling_lines(self, wait_s: float = 5.0) -> list[str]:
+        """The log lines that may state the server's sampling defaults (at most a few, cut to 4 KiB),
+        once the log has reached the end of start-up (vLLM states them before it; waits at most
+        ``wait_s`` for the pump to get there)."""
+        self._started.wait(timeout=wait_s)
+        return list(self._sampling)
 
     def tail(self) -> str:
         self._pump.join(timeout=2)

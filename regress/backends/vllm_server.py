@@ -80,6 +80,8 @@ from regress.backends.server_wire import (
     stream_rows,
     token_ids,
 )
+from regress.backends.server_sampling import (PROBE_TEXT, defaults_from_log, left_to_server, probe_requests,
+                                              probe_result, probe_tokens, sent_fields)
 from regress.errors import InputError, ServerHTTPError, ServerReplyError
 
 ENDPOINT = "/v1/completions"
@@ -91,9 +93,6 @@ _NO_UDS = ("regress starts a server only on a Unix socket in a private directory
 _MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError)
 """What reading an answer of an unexpected shape raises (a list where an object belongs, ...)."""
 
-# Sampling fields sent with every request (regress's resolved sampling, by the server's names).
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "ignore_eos")
 
 
 class VllmServerBackend(EngineBackend):
@@ -110,6 +109,7 @@ class VllmServerBackend(EngineBackend):
         self.health_timeout_s = float(settings.get("health_timeout_s") or 600.0)
         self.request_timeout_s = float(settings.get("request_timeout_s") or 600.0)
         self.endpoint = str(settings.get("endpoint") or "completions")
+        self.sampling_fields = str(settings.get("sampling_fields") or "client")
         self.started = self.base_url is None
         self._server: ServerProcess | None = None
         self._tokenizer: Any = None
@@ -138,6 +138,7 @@ class VllmServerBackend(EngineBackend):
         self._tokenizer = self._load_tokenizer()
         self._vocab = self._vocabulary_size()
         self._check_server()
+        server_defaults = self._learn_defaults()
         return {
             "resolved_path": str(spec["model"]),
             "revision": spec.get("revision"),
@@ -150,7 +151,8 @@ class VllmServerBackend(EngineBackend):
                 "tokenizer": tokenizer_facts(self._tokenizer, read_chat_template(spec)),
                 "server": {"url": self._shown, "endpoint": CHAT_ENDPOINT if self.endpoint == "chat" else ENDPOINT,
                            "concurrency": self.concurrency, "started_by_regress": self.started,
-                           "server_version": self._server_version},
+                           "server_version": self._server_version, "sampling_fields": self.sampling_fields},
+                "server_defaults": server_defaults,
             },
         }
 
@@ -380,6 +382,8 @@ class VllmServerBackend(EngineBackend):
             raise TimeoutError(f"{exc}: server.request_timeout_s") from None
 
     def _payload(self, request: GenerationRequest) -> dict[str, Any]:
+        """One generation request: the prompt, what regress needs to score, and the sampling fields
+        of :func:`~regress.backends.server_sampling.sent_fields` (``server.sampling_fields``)."""
         sampling = request.sampling
         payload: dict[str, Any] = {
             "model": self._model_name, "prompt": list(request.prompt_token_ids), "max_tokens": sampling["max_tokens"],
@@ -390,12 +394,47 @@ class VllmServerBackend(EngineBackend):
             payload.update(messages=request.prompt_token_ids.messages, logprobs=True,
                            top_logprobs=chat_top_logprobs(int(sampling["logprobs"]), not sampling.get("temperature")), return_token_ids=True,
                            add_generation_prompt=True)
-        for name in _SAMPLING_FIELDS:
-            if sampling.get(name) is not None:
-                payload[name] = sampling[name]
-        if sampling.get("stop"):
-            payload["stop"] = list(sampling["stop"])
+        payload.update(sent_fields(sampling, self.sampling_fields))
         return payload
+
+    def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
+        """What a request of this sampling carries (the server builds its parameters from these and
+        its own defaults), and ``left_to_server``: the fields whose server default applies."""
+        sent = {"max_tokens": sampling["max_tokens"], "logprobs": sampling["logprobs"],
+                **sent_fields(sampling, self.sampling_fields)}
+        return {**sent, "left_to_server": left_to_server(sampling, self.sampling_fields)}
+
+    # -- what the server fills in ------------------------------------------------------
+
+    def _learn_defaults(self) -> dict[str, Any]:
+        """The defaults the server applies to fields a request leaves unset, as far as they can be
+        learnt (:class:`regress.records.manifest.ServerDefaults` fields): the start-up log of a
+        server regress started, and a probe of any server. A probe the server refuses (an HTTP
+        error) leaves only what the log said; a malformed answer is a ServerReplyError, as anywhere."""
+        learnt: dict[str, Any] = {"learnt_from": []}
+        if self._server is not None:
+            values = defaults_from_log(self._server.sampling_lines())
+            if values is not None:
+                learnt.update(learnt_from=["log"], values=values)
+        try:
+            learnt.update(self._probe_defaults())
+            learnt["learnt_from"] = [*learnt["learnt_from"], "probe"]
+        except ServerHTTPError as exc:  # refused (a field it does not take): a malformed answer is exit 3
+            print(f"regress: the server's sampling defaults were not probed: {exc}", file=sys.stderr, flush=True)
+        return learnt
+
+    def _probe_defaults(self) -> dict[str, Any]:
+        """Short requests, every field explicit and neutral, then one field left unset at a time:
+        a field whose leaving unset changes the output has a default that is not neutral."""
+        prompt_ids = list(self._tokenizer.encode(PROBE_TEXT)) or [0]
+        answers = []
+        for decoding, name, body in probe_requests(self._model_name, prompt_ids):
+            answer = self._get_json(ENDPOINT, body, timeout=self.request_timeout_s)
+            try:
+                answers.append((decoding, name, probe_tokens(answer, self._vocab)))
+            except ValueError as exc:
+                raise ServerReplyError(str(exc), url=f"{self._shown}{ENDPOINT} (the sampling defaults probe)") from None
+        return probe_result(answers)
 
     async def _send(self, client: ServerClient, item: tuple[int, int, dict[str, Any]]) -> RawGeneration:
         k, prompt_tokens, payload = item

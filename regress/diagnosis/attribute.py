@@ -43,7 +43,8 @@ DETAIL_MITIGATION = {
     "batch composition": "fixed batch sizes, batch-invariant kernels (VLLM_BATCH_INVARIANT=1 where supported), "
                          "or measure the noise floor (noise: arms: [batch, alone])",
     "tokenizer and chat template": "pin the tokenizer and chat template (chat_template:) and check the prompt token ids",
-    "generation_config defaults": "set every sampling parameter explicitly, or pin generation_config on both sides",
+    "generation_config defaults": "pin generation_config (a server's --generation-config) on both sides, or set the "
+                                  "field in the prompt set; server.sampling_fields: all sends every field explicitly",
 }
 
 

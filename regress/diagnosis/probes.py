@@ -113,7 +113,15 @@ def _revert_model(baseline: CandidateSpec, candidate: CandidateSpec) -> dict[str
 
 
 def _revert_defaults(baseline: CandidateSpec, candidate: CandidateSpec) -> dict[str, Any]:
-    return {"generation_config": _generation_source(baseline)} if hasattr(candidate, "generation_config") else {}
+    update: dict[str, Any] = {"generation_config": _generation_source(baseline)} if hasattr(
+        candidate, "generation_config") else {}
+    if candidate.backend == "server":
+        # A url: server's own defaults cannot be reverted from here; sending every field
+        # explicitly keeps them from applying, which is what reverting them would do.
+        from regress.records import ServerSettings
+
+        update["server"] = (candidate.server or ServerSettings()).model_copy(update={"sampling_fields": "all"})
+    return update
 
 
 GROUPS: tuple[Group, ...] = (

@@ -36,6 +36,19 @@ DRIFTED = ("regression", "input_drift", "drift")
 DEFAULT_MAX_PROMPTS = 10
 
 
+def _served_defaults(scored: ScoredRun, found: list[Any]) -> list[Any]:
+    """The server-side defaults the two runs met, when they differ and params.yaml cannot show it
+    (two ``url:`` servers started with other ``--generation-config``): an input-defaults difference,
+    so that the revert-input-defaults probe runs."""
+    from regress.effective import Difference
+    from regress.report.configdiff import input_defaults_drift, server_defaults_applied, shown_defaults
+
+    if any(d.source == "input defaults" for d in found) or input_defaults_drift(scored.golden, scored.run) is None:
+        return []
+    return [Difference("input defaults", "server defaults applied", shown_defaults(server_defaults_applied(scored.golden)),
+                       shown_defaults(server_defaults_applied(scored.run)))]
+
+
 def drifted_prompts(scored: ScoredRun, run: "RunResult", limit: int) -> tuple[list[str], list[str]]:
     """(prompts to diagnose, drifted prompts left out with why): regressions first, then input
     drift, then drift, each in prompt-set order. Sampled prompts (stored per sample) are left out:
@@ -141,6 +154,7 @@ def diagnose(
                           f"(run {run.manifest.run_id}); score it again (`regress score {candidate.name}`)")
     ids, left_out = drifted_prompts(scored, run, max_prompts)
     found = differences(baseline, candidate, candidate_defaults=candidate_defaults)
+    found += _served_defaults(scored, found)
     shown_differences = [d.row() for d in found]
     effective = _effective(run)
     built, skipped = build_probes(baseline, candidate, probes, effective=effective, found=found) if ids else ([], [])

@@ -52,6 +52,16 @@ class ServerSettings(_Strict):
     built as users' requests build it); the prompt token ids the server used are recorded, so a
     server-side template that differs from the golden's shows as input drift. Plain ``prompt``
     prompts still go through ``/v1/completions``."""
+    sampling_fields: Literal["client", "all"] = Field("client", exclude_if=lambda v: v == "client")
+    """Which sampling fields a request carries. ``client``: as a client's request, only those the
+    prompt, the prompt set's card or the candidate (``sampling``, ``generation_config``) set, plus
+    what regress needs to score (``max_tokens``, ``logprobs``, ``temperature``: regress's greedy 0
+    when no layer sets one; ``seed`` when sampling); the server fills in the rest with its own
+    defaults (the model's generation_config.json, ``--generation-config``), as it does for its
+    users. ``all``: every sampling field explicit, at regress's built-in values where no layer sets
+    it, so that no server default applies (but ``min_p``, which regress has no field for). The
+    default is left out of the stored form; a plan of ``client`` requests is told apart from the
+    runs made before it by its own fingerprint (:mod:`regress.replay.plan`)."""
 
     @field_validator("api_key_env")
     @classmethod

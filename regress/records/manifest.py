@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from regress.records.base import FORMAT_VERSION, _Record
 from regress.records.candidate import CandidateSpec
@@ -201,6 +201,94 @@ class TokenizerFacts(_Record):
     ``chat_template`` file, else the tokenizer's); None when there is none."""
 
 
+SERVER_DEFAULT_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k",
+                         "top_p", "min_p", "max_tokens")
+"""The sampling fields vLLM's server fills from its generation config when a request leaves them
+unset (``ModelConfig.get_diff_sampling_param``, ``max_new_tokens`` as ``max_tokens``)."""
+NEUTRAL_DEFAULTS: dict[str, float] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                      "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+"""The values at which those fields change nothing (``top_k`` -1 too); temperature and max_tokens
+have none: a request that leaves them unset always gets the server's."""
+_MAX_DEFAULT_MAGNITUDE = 1e9
+DEFAULT_RANGES: dict[str, tuple[float, float]] = {
+    "repetition_penalty": (1e-9, 100.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+    "temperature": (0.0, 100.0), "top_k": (-1, _MAX_DEFAULT_MAGNITUDE), "top_p": (1e-9, 1.0), "min_p": (0.0, 1.0),
+    "max_tokens": (1, _MAX_DEFAULT_MAGNITUDE)}
+"""Each field's values vLLM's ``SamplingParams`` takes (the engine side checks the same:
+:data:`regress.backends.server_sampling.RANGES`)."""
+
+
+def non_neutral(name: str, value: float) -> bool:
+    """Whether a server default changes what a request that leaves ``name`` unset computes."""
+    if name == "top_k":
+        return value not in (0, -1)
+    neutral = NEUTRAL_DEFAULTS.get(name)
+    return neutral is None or value != neutral
+
+
+class ServerDefaults(_Record):
+    """The sampling defaults vLLM's server applies to a request field left unset, as far as regress
+    could learn them: from the server's start-up log where regress started it (vLLM logs them:
+    "Default vLLM sampling parameters have been overridden by ..."), and from a probe (the same
+    short request with every field explicit and neutral, then with one field left unset at a time).
+    A probe that sees no change does not prove a default neutral (the probe prompt may not
+    exercise it); one that sees a change proves the field's default is not neutral. Everything here
+    came from the server, so it is checked before it is recorded: known field names, finite
+    numbers, at most a few entries."""
+
+    learnt_from: list[Literal["log", "probe"]] = Field(default_factory=list, max_length=2)
+    """How: ``log`` (the start-up log of a server regress started), ``probe`` (requests)."""
+    values: dict[str, int | float] = Field(default_factory=dict, max_length=len(SERVER_DEFAULT_FIELDS))
+    """The defaults the server's log reported, by sampling field (empty: none reported, or no log)."""
+    probed: list[str] = Field(default_factory=list, max_length=len(SERVER_DEFAULT_FIELDS))
+    """The fields the probe left unset, one at a time."""
+    changed_by_probe: list[str] = Field(default_factory=list, max_length=len(SERVER_DEFAULT_FIELDS))
+    """The fields whose leaving unset changed the probe's output: their server default is not neutral."""
+    inconclusive: bool = Field(False, exclude_if=lambda v: not v)
+    """The probe's neutral request gave two different answers (a server under other load, a
+    nondeterministic kernel): nothing concluded from it."""
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _numbers_not_flags(cls, value: Any) -> Any:
+        if isinstance(value, dict) and any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value.values()):
+            raise ValueError("every default must be a JSON number")
+        return value
+
+    @field_validator("values")
+    @classmethod
+    def _finite_known_values(cls, value: dict[str, int | float]) -> dict[str, int | float]:
+        import math
+
+        for name, number in value.items():
+            if name not in SERVER_DEFAULT_FIELDS:
+                raise ValueError(f"{name[:40]!r} is not a sampling field a server fills in ({', '.join(SERVER_DEFAULT_FIELDS)})")
+            if not math.isfinite(number) or abs(number) > _MAX_DEFAULT_MAGNITUDE:
+                raise ValueError(f"{name}: {number!r} is not a finite number of magnitude <= {_MAX_DEFAULT_MAGNITUDE:g}")
+            low, high = DEFAULT_RANGES[name]
+            if not low <= number <= high or (name in ("top_k", "max_tokens") and number != int(number)):
+                raise ValueError(f"{name}: {number!r} is not a value of it ({low:g} .. {high:g})")
+        return value
+
+    @field_validator("probed", "changed_by_probe")
+    @classmethod
+    def _known_names(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if name not in SERVER_DEFAULT_FIELDS]
+        if unknown:
+            raise ValueError(f"{unknown[0][:40]!r} is not a sampling field a server fills in")
+        return value
+
+    def applied(self, left_unset: set[str] | None = None) -> dict[str, float | None]:
+        """The non-neutral defaults (value, or None where only the probe saw one), of the fields in
+        ``left_unset`` (None: of every field)."""
+        found: dict[str, float | None] = {name: v for name, v in self.values.items() if non_neutral(name, v)}
+        for name in self.changed_by_probe:
+            found.setdefault(name, None)
+        if left_unset is not None:
+            found = {k: v for k, v in found.items() if k in left_unset}
+        return {k: found[k] for k in sorted(found)}
+
+
 class EffectiveConfig(_Record):
     """The configuration as the engine applied it, read from the engine's own objects after loading.
 
@@ -244,6 +332,10 @@ class EffectiveConfig(_Record):
     """The candidate's ``generation_config`` setting (``vllm``, ``auto`` or a directory)."""
     generation_defaults_applied: dict[str, Any] = Field(default_factory=dict)
     """The defaults regress took from that generation_config.json (empty: none)."""
+    server_defaults: ServerDefaults | None = Field(None, exclude_if=lambda v: v is None)
+    """``server`` backend only: the defaults the server applies to what a request leaves unset, as
+    far as regress learnt them (:class:`ServerDefaults`). Left out when unset, so manifests written
+    before it (and other backends') are as they were."""
     tokenizer: TokenizerFacts | None = None
     """The tokenizer as loaded."""
     sampling_applied: list[AppliedSampling] = Field(default_factory=list)

@@ -91,15 +91,33 @@ class ResolvedSampling(_Strict):
     the stored form when None, so greedy prompts are stored (and fingerprinted) as before."""
     samples: int | None = Field(None, ge=2, exclude_if=lambda v: v is None)
     """How many samples its prompt has (``samples:`` in the prompt set); None for a prompt run once."""
+    explicit: list[str] | None = Field(None, exclude_if=lambda v: v is None)
+    """The fields some layer set (the prompt, the prompt set's card, the candidate's ``sampling``, a
+    ``generation_config`` regress applied), sorted; the rest are built-in defaults. Recorded only
+    where a backend sends the set fields alone (the server backend's ``sampling_fields: client``:
+    what a client leaves unset, the server fills in); None elsewhere, so that other runs are stored
+    (and fingerprinted) as before."""
+
+    @field_validator("explicit")
+    @classmethod
+    def _known_fields(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            unknown = sorted(set(value) - set(SamplingSpec.model_fields))
+            if unknown:
+                raise ValueError(f"not sampling fields: {unknown}")
+        return value
 
     @classmethod
-    def resolve(cls, *layers: SamplingSpec) -> "ResolvedSampling":
-        """Merge layers lowest first over the built-in defaults."""
+    def resolve(cls, *layers: SamplingSpec, record_explicit: bool = False) -> "ResolvedSampling":
+        """Merge layers lowest first over the built-in defaults; ``record_explicit``: keep which
+        fields the layers set (:attr:`explicit`)."""
         merged: dict[str, Any] = {}
         for layer in layers:
             merged.update(layer.set_fields())
         if "top_k" in merged and merged["top_k"] == -1:
             merged["top_k"] = 0
+        if record_explicit:
+            merged["explicit"] = sorted(merged)
         return cls(**merged)
 
 

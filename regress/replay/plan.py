@@ -56,14 +56,23 @@ def model_sampling_defaults(candidate: CandidateSpec, defaults: dict[str, Any] |
                           field="generation_config") from exc
 
 
+def sends_client_fields(candidate: CandidateSpec) -> bool:
+    """Whether the candidate's requests carry only the sampling fields a layer set, leaving the
+    rest to the server's defaults (``backend: server`` with ``server.sampling_fields: client``,
+    the default there): its resolved samplings record which fields were set."""
+    return candidate.backend == "server" and (candidate.server is None or candidate.server.sampling_fields == "client")
+
+
 def resolve_sampling(prompt_set: PromptSet, candidate: CandidateSpec,
                      defaults: dict[str, Any] | None = None) -> list[ResolvedSampling]:
     """Per prompt: built-in defaults < the model's generation_config defaults (only when the
     candidate's ``generation_config`` is not ``vllm``) < candidate sampling < prompt set defaults
     < prompt overrides. ``defaults``: the candidate's generation_config defaults, when read already."""
     model_defaults = model_sampling_defaults(candidate, defaults)
+    explicit = sends_client_fields(candidate)
     return [
-        ResolvedSampling.resolve(model_defaults, candidate.sampling, prompt_set.card.defaults, p.sampling)
+        ResolvedSampling.resolve(model_defaults, candidate.sampling, prompt_set.card.defaults, p.sampling,
+                                 record_explicit=explicit)
         for p in prompt_set.prompts
     ]
 
@@ -248,6 +257,10 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
     }
     if purpose is not None:  # left out otherwise: the fingerprints of existing runs stay as they were
         identity["purpose"] = purpose
+    if sends_client_fields(candidate):
+        # Its requests leave fields to the server now: a served run finished before (every field
+        # explicit, the candidate stored the same) is another experiment and must not be reused.
+        identity["sampling_fields"] = "client"
     plan_fingerprint = _digest(json.dumps(identity, sort_keys=True))
     tasks = []
     for shard in layout.shards:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from regress.records import RunManifest
+from regress.records.manifest import SERVER_DEFAULT_FIELDS
 
 if TYPE_CHECKING:
     from regress.config import Params
@@ -76,7 +77,71 @@ def _flatten(m: RunManifest) -> dict[tuple[str, str], Any]:
     for key, value in sorted(m.env_vars.items()):
         flat[("environment variables", key)] = value
     flat.update(_effective_rows(m))
+    flat.update(_input_default_rows(m))
     return flat
+
+
+INPUT_DEFAULTS = "input defaults"
+"""The section of what a server filled in for the fields regress's requests left unset."""
+SERVER_APPLIED = "server defaults applied"
+
+
+def server_defaults_applied(m: RunManifest) -> dict[str, float | None] | None:
+    """The non-neutral defaults the run's server applied to fields its requests left unset (value,
+    or None where only the probe showed one), by field; None when the run records nothing about
+    it (another backend, a manifest from before it was recorded)."""
+    e = m.effective
+    if e is None or e.server_defaults is None:
+        return None
+    left: set[str] | None = None
+    if e.sampling_applied and not e.sampling_applied_truncated:
+        left = set()
+        for entry in e.sampling_applied:
+            named = entry.applied.get("left_to_server")
+            if not isinstance(named, list):  # recorded before the field: not known which were left
+                left = None
+                break
+            left |= {n for n in named if n in SERVER_DEFAULT_FIELDS}
+    return e.server_defaults.applied(left)
+
+
+def shown_defaults(applied: dict[str, float | None] | None) -> str:
+    """``repetition_penalty 1.3, top_p 0.9`` ("none" when empty); a default only a probe saw shows
+    as ``(not neutral, value not reported)``."""
+    if not applied:
+        return "none"
+    return ", ".join(f"{k} {json.dumps(v)}" if v is not None else f"{k} (not neutral, value not reported)"
+                     for k, v in applied.items())
+
+
+def _input_default_rows(m: RunManifest) -> dict[tuple[str, str], Any]:
+    e = m.effective
+    if e is None or e.server_defaults is None:
+        return {}
+    d = e.server_defaults
+    rows: dict[tuple[str, str], Any] = {(INPUT_DEFAULTS, SERVER_APPLIED): shown_defaults(server_defaults_applied(m))}
+    if d.values:
+        rows[(INPUT_DEFAULTS, "server defaults (start-up log)")] = d.values
+    if "probe" in d.learnt_from:
+        rows[(INPUT_DEFAULTS, "server defaults (probe)")] = (
+            "inconclusive (the server answered the same request twice differently)" if d.inconclusive
+            else "not neutral: " + ", ".join(d.changed_by_probe) if d.changed_by_probe
+            else f"no effect seen ({', '.join(d.probed)} left unset)")
+    sent = (e.server or {}).get("sampling_fields")
+    if isinstance(sent, str):
+        rows[(INPUT_DEFAULTS, "sampling fields sent")] = sent
+    return rows
+
+
+def input_defaults_drift(golden: RunManifest, candidate: RunManifest) -> str | None:
+    """``input defaults: the server applied repetition_penalty 1.3 (golden: none)`` when the two
+    runs met different server-side defaults; None when they met the same (or neither records
+    them). A run without the record (offline, or from before it) counts as none applied: offline
+    runs send every field."""
+    a, b = server_defaults_applied(golden), server_defaults_applied(candidate)
+    if a is None and b is None or (a or {}) == (b or {}):
+        return None
+    return f"{INPUT_DEFAULTS}: the server applied {shown_defaults(b)} (golden: {shown_defaults(a)})"
 
 
 _EFFECTIVE_ROWS = (
@@ -115,6 +180,10 @@ def _effective_rows(m: RunManifest) -> dict[tuple[str, str], Any]:
 def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
     """Every setting of either run, in section order; unset on one side shows as '—'."""
     a, b = _flatten(baseline), _flatten(candidate)
+    for mine, theirs in ((a, b), (b, a)):
+        # A run that records no server defaults (offline: every field sent) applied none.
+        if (INPUT_DEFAULTS, SERVER_APPLIED) in theirs:
+            mine.setdefault((INPUT_DEFAULTS, SERVER_APPLIED), "none")
     keys = list(a) + [k for k in b if k not in a]
     sections = list(dict.fromkeys(k[0] for k in keys))
     keys.sort(key=lambda k: sections.index(k[0]))
@@ -126,20 +195,30 @@ def applied_differences(p: "Params", baseline: str, candidate: str) -> list[Sett
     """The effective-configuration rows that differ between two candidates' runs (the golden for
     the candidate that made it, runs/<name> for the others); None unless both have a manifest
     that records it."""
+    ma, mb = _run_manifest(p, baseline), _run_manifest(p, candidate)
+    if ma is None or mb is None:
+        return None
+    return [s for s in config_diff(ma, mb) if s.section in ("effective", INPUT_DEFAULTS) and s.changed]
+
+
+def applied_input_defaults_drift(p: "Params", baseline: str, candidate: str) -> str | None:
+    """:func:`input_defaults_drift` between two candidates' runs (as :func:`applied_differences`
+    finds them); None unless both have run and met different server-side defaults."""
+    ma, mb = _run_manifest(p, baseline), _run_manifest(p, candidate)
+    return None if ma is None or mb is None else input_defaults_drift(ma, mb)
+
+
+def _run_manifest(p: "Params", name: str) -> RunManifest | None:
+    """The manifest of a candidate's run that records its effective configuration: the golden
+    for the candidate that made it, runs/<name> for the others."""
     from regress.errors import RegressError
     from regress.runs import read_manifest
 
-    def manifest(name: str):  # type: ignore[no-untyped-def]
-        for where in (p.golden_dir(), p.run_dir(name)):
-            try:
-                m = read_manifest(where)
-            except (RegressError, OSError, ValueError):
-                continue
-            if m.candidate.name == name and m.effective is not None:
-                return m
-        return None
-
-    ma, mb = manifest(baseline), manifest(candidate)
-    if ma is None or mb is None:
-        return None
-    return [s for s in config_diff(ma, mb) if s.section == "effective" and s.changed]
+    for where in (p.golden_dir(), p.run_dir(name)):
+        try:
+            m = read_manifest(where)
+        except (RegressError, OSError, ValueError):
+            continue
+        if m.candidate.name == name and m.effective is not None:
+            return m
+    return None
