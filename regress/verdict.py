@@ -84,7 +84,7 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
         "With a measured noise floor: significance level of the run-level test (one-sided Wilcoxon signed-rank "
         "of each prompt's teacher-forced KL, top-1 disagreement and overturned margin against its noise "
         "envelope, Holm-corrected over the three)."))),
-    "noise_min_ratio": (float, Field(1.5, ge=1, description=(
+    "noise_min_ratio": (float, Field(2.0, ge=1, description=(
         "With a measured noise floor: a measure is beyond the noise only when the candidate's mean is at least "
         "this times the envelope's on the same prompts (significant and material)."))),
     "noise_kl_resolution": (float, Field(1e-5, ge=0, description=(

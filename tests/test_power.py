@@ -74,7 +74,7 @@ def test_the_ladder_is_monotone_with_a_pass_and_a_fail(power_project) -> None:
     assert power["smallest_failing"] == power["steps"][first]["key"] and power["basis"] == "noise"
     # The failing steps fail on the run-level test, not on one prompt's regression.
     for step in power["steps"][first:]:
-        assert step["beyond_noise"] is True and step["kl_ratio"] > 1.5, step
+        assert step["beyond_noise"] is True and step["kl_ratio"] >= 2, step
     for step in power["steps"][:first]:
         assert step["beyond_noise"] is False, step
     # Both arms are one kind of noise: each passes against the other's envelope.

@@ -67,7 +67,7 @@ def test_a_change_on_every_prompt_is_beyond_the_noise() -> None:
     kl = test.measures[0]
     assert test.beyond and kl.beyond and kl.ratio == pytest.approx(3.0) and kl.above == 60 and kl.effect == 1.0
     assert kl.p_value < 1e-10 and test.summary.startswith("beyond the baseline's noise: teacher-forced KL 3x")
-    # Significant but not material: every prompt 1.2x its envelope is within at min_ratio 1.5.
+    # Significant but not material: every prompt 1.2x its envelope is within at min_ratio 2.
     mild = compare_to_noise(_rows([1.2 * e for e in envelope]), _floor(envelope), T)
     assert Thresholds(noise_min_ratio=1.1) and compare_to_noise(
         _rows([1.2 * e for e in envelope]), _floor(envelope), Thresholds(noise_min_ratio=1.1)).beyond
