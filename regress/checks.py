@@ -143,8 +143,11 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
     with phase("scoring", f"candidate '{spec.name}'"), stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
+        from regress.quality import resolve_gate
+
+        gate = resolve_gate(spec, params.golden_baseline(golden_run.manifest) or params.baseline)
         report = score_runs(golden_run, run, thresholds, tags=tags, expected=expected_answers(prompt_set),
-                            metrics=metrics, noise=noise)
+                            metrics=metrics, noise=noise, gate=gate, gate_by_default=spec.gate == "auto")
     from regress.power.ladder import load_power
 
     power = load_power(params.power_dir(), golden_run.manifest.run_id, thresholds)

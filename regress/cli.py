@@ -451,7 +451,9 @@ def gate(
     fail: bool = typer.Option(True, "--fail/--no-fail", help="Exit 1 when a candidate failed (--no-fail: only print)."),
     annotate: bool = typer.Option(False, "--annotate", help="Also print each regression in reports/<candidate>/junit.xml as a GitHub Actions error annotation."),
 ) -> None:
-    """Print every scored candidate's verdict and exit 1 if any failed (for CI after `dvc repro`)."""
+    """Print every scored candidate's verdicts and exit 1 if any failed the one that gates it (for CI after `dvc repro`).
+
+    Each line: PASS or FAIL as the candidate's gate decides (`gate:` on the candidate: fidelity for engine releases and serving settings, quality for changes made on purpose), then both verdicts: fidelity (outputs against the baseline's noise) and quality (answers, paired, against a margin)."""
     from regress.config import load_params
     from regress.errors import StorageError
     from regress.records import RunMetrics
@@ -473,9 +475,11 @@ def gate(
         latency = ""
         if m.latency_verdict == "fail":
             latency = f"; latency FAIL ({'gating' if m.latency_gates else 'reported, not gating'})"
-        shown = "FAIL" if m.gating_failed else m.verdict.upper()
-        _out(f"{shown:4}  {name:24} {m.regression} regression, {m.drift} drift, {m.benign} benign, "
-             f"{m.identical} identical of {m.prompts}{latency}")
+        shown = "FAIL" if m.gating_failed else "PASS"
+        quality = (f"quality {m.quality_verdict.upper()} ({m.quality.difference * 100:+.1f} points)"
+                   if m.quality is not None and m.quality.difference is not None else "quality —")
+        _out(f"{shown:4}  {name:24} gate {m.gate:<8} fidelity {m.verdict.upper()}, {quality}; {m.regression} "
+             f"regression, {m.drift} drift, {m.benign} benign, {m.identical} identical of {m.prompts}{latency}")
         junit = p.reports_dir() / name / "junit.xml"
         if annotate and junit.is_file():
             from regress.report.annotations import junit_annotations

@@ -77,6 +77,13 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
         _out(f"  - {reason}")
     if m.verdict_basis:
         _out(f"  the verdict rests on {m.verdict_basis}")
+    q = m.quality
+    gates = {"fidelity": "the fidelity verdict gates", "quality": "the quality verdict gates",
+             "both": "both verdicts gate"}[m.gate]
+    if q is not None:
+        _out(f"  quality: {q.verdict.upper()} ({gates})" + "".join(f"\n  - {r}" for r in q.reasons))
+    else:
+        _out(f"  quality: no prompt with a checkable answer ({gates})")
     if m.detection_power is not None:
         _out(f"  detection power: {m.detection_power.summary}"
              + ("" if m.detection_power.current else " (measured with other thresholds: run `regress power` again)"))

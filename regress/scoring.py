@@ -113,12 +113,17 @@ def score_runs(
     metrics: list[tuple[Any, Any]] | None = None,
     progress: ProgressFn | None = None,
     noise: NoiseFloor | None = None,
+    gate: str = "fidelity",
+    gate_by_default: bool = False,
 ) -> ScoredRun:
     """Score every prompt of ``run`` against ``golden``. ``expected`` maps prompt ids to their
     accepted answers (:func:`expected_answers`); those prompts are also checked for them.
     ``noise``: the baseline's measured noise (``golden/noise.json``, :mod:`regress.noise.floor`):
     run-level bounds follow its floor, and a prompt the baseline flipped itself is benign within
-    its envelope; None: the thresholds as configured."""
+    its envelope; None: the thresholds as configured. ``gate``: which verdict gates the check
+    (``fidelity``, ``quality``, ``both``: :func:`regress.quality.resolve_gate`); both are computed.
+    ``gate_by_default``: ``gate`` came from ``auto``, so a quality gate with no answered prompt to
+    judge falls back to fidelity (a gate the candidate asked for by name does not)."""
     configured = t = thresholds or Thresholds()
     envelopes: dict[str, Any] = {}
     if noise is not None:
@@ -197,6 +202,12 @@ def score_runs(
     elif sampled_note:
         verdict_reasons.append(sampled_note)
 
+    from regress.quality import judge_quality
+
+    quality = judge_quality([(s.prompt_id, s.tags, s.answer.golden_correct, s.answer.candidate_correct)
+                             for s in scores if s.answer is not None], t)
+    if quality is None and gate_by_default and gate == "quality":
+        gate = "fidelity"  # nothing to judge quality by, and nobody asked for it by name
     gm, rm = golden.manifest, run.manifest
     n = len(scores)
     fields, extra = aggregates([info for info, _ in metrics], [s.metrics for s in scores])
@@ -208,6 +219,9 @@ def score_runs(
         **fields,
         verdict=verdict,
         verdict_basis=verdict_basis(judgement),
+        gate=gate,
+        quality=quality,
+        quality_verdict=quality.verdict if quality is not None else None,
         tokens_per_s=rm.timings.tokens_per_s,
         golden_tokens_per_s=gm.timings.tokens_per_s,
         tokens_per_s_ratio=(rm.timings.tokens_per_s / gm.timings.tokens_per_s) if gm.timings.tokens_per_s else None,

@@ -167,3 +167,15 @@ def pct(value: float) -> str:
 def interval_text(rate: float, low: float, high: float, confidence: float) -> str:
     """'2.4 % (95 % CI 1.6–3.6 %)'."""
     return f"{pct(rate)} % ({confidence * 100:g} % CI {pct(low)}–{pct(high)} %)"
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [1.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted

@@ -96,6 +96,15 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
         "measure always count). Milder "
         "regressions explain where the run moved; whether it moved beyond the noise is the run-level test's "
         "call. Without a noise floor every regression counts."))),
+    # The quality verdict (regress.quality): answers, paired, against a margin.
+    "quality_theta": (float, Field(0.05, gt=0, lt=1, description=(
+        "Quality verdict: non-inferiority margin in accuracy (0.05: five points). The candidate passes when the "
+        "lower bound of the paired interval of its accuracy minus the golden's is above -quality_theta."))),
+    "quality_power": (float, Field(0.8, gt=0.5, lt=1, description=(
+        "Quality verdict: the power at which an inconclusive verdict's 'prompts needed' is computed."))),
+    "quality_min_slice": (int, Field(10, ge=2, description=(
+        "Quality verdict: a tag with at least this many answered prompts is a slice, with its own interval and "
+        "exact McNemar test (Holm-corrected over the slices); a slice significantly worse fails the verdict."))),
     "confidence": (float, Field(0.95, ge=0.5, le=0.999, description=(
         "Confidence level of the rate intervals (Wilson score) in metrics.json and the rate gates."))),
     # Latency (regress.latency): judged apart from the outputs, in RunMetrics.latency_verdict.

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     # L1 settings and inputs
     "config": 1, "worker.settings": 1, "watch.config": 1, "watch.settings": 1, "diagnosis.settings": 1,
     "noise.settings": 1, "datasets": 1, "runs": 1, "envs": 1, "provenance": 1, "effective": 1, "verdict": 1,
+    "quality": 1,
     "latency": 1, "trend": 1, "deadlines": 1,
     # The plugin registries and interfaces sit with the settings that name plugins (config checks
     # a backend name, the verdict reads the metric specs): the package faces and their base

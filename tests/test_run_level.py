@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from regress.noise.beyond import MEASURES, compare_to_noise, describe, holm, signed_rank
+from regress.noise.beyond import MEASURES, compare_to_noise, describe, signed_rank
+from regress.stats import holm
 from regress.noise.floor import NoiseFloor, PromptNoise
 from regress.verdict import NoiseJudgement, Thresholds, run_verdict, severe, verdict_basis
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from regress.noise.floor import NoiseFloor, PromptNoise
 from regress.noise.record import MIN_PROMPTS, MeasureTest, NoiseTest
+from regress.stats import holm
 
 @dataclass(frozen=True)
 class Measure:
@@ -94,18 +95,6 @@ MEASURES: tuple[Measure, ...] = (
     Measure("tf_max_flipped_margin", "largest overturned golden margin beyond near-ties", _flipped, _flipped_envelope,
             lambda v: f"{v:.3g} nat"),
 )
-
-
-def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values, in the input's order."""
-    m = len(p_values)
-    order = sorted(range(m), key=lambda i: p_values[i])
-    adjusted = [1.0] * m
-    running = 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p_values[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 def signed_rank(excess: Sequence[float]) -> tuple[float, float, float]:

@@ -145,6 +145,12 @@ class CandidateSpec(_Strict):
     ``generation_config.json``) or a local directory holding a ``generation_config.json``. Applied
     just above the built-in defaults, below ``sampling`` (:func:`regress.effective.generation_defaults`).
     Left out of the stored form when ``vllm``, so plans and runs made before it keep their fingerprints."""
+    gate: Literal["auto", "fidelity", "quality", "both"] = Field("auto", exclude=True)
+    """Which verdict gates this candidate (both are always shown): ``fidelity`` (did outputs move beyond
+    the baseline's noise: engine releases, serving settings), ``quality`` (did answers hold: changes made
+    on purpose), ``both``, or ``auto``: ``quality`` when the candidate changes the weights, quantization,
+    dtype or KV-cache dtype against its baseline, else ``fidelity`` (:func:`regress.quality.resolve_gate`).
+    A scoring setting, never stored with the candidate: it changes no run."""
     server: ServerSettings | None = Field(None, exclude_if=lambda v: v is None)
     """Settings of the ``server`` backend (only with ``backend: server``; optional there). Left out
     of the stored form when unset, so plans and runs made before it keep their fingerprints."""

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from regress.noise.record import NoiseApplied, NoiseTest
 from regress.power.record import PowerFigure
+from regress.records.quality import Gate, QualityVerdict, gate_fails
 from regress.records.base import FORMAT_VERSION, _Record
 from regress.records.manifest import RunManifest
 
@@ -144,6 +145,15 @@ class RunMetrics(_Record):
     """Mean first-divergence position over diverged prompts."""
     verdict: Literal["pass", "fail"]
     """pass: no regression beyond the allowance; fail: CI should stop the rollout."""
+    gate: Gate = "fidelity"
+    """Which verdict gates the check (the candidate's ``gate``, ``auto`` resolved): ``verdict`` (fidelity),
+    ``quality_verdict``, or both."""
+    quality_verdict: Literal["pass", "fail", "inconclusive"] | None = None
+    """Did answers hold (:mod:`regress.quality`): pass, fail, inconclusive (gates like a fail); None
+    without answered prompts."""
+    quality: QualityVerdict | None = Field(None, exclude_if=lambda v: v is None)
+    """The quality verdict whole: accuracies, the paired difference with its interval against theta, the
+    prompts needed, the slices per tag; left out of the file without answered prompts."""
     verdict_basis: str | None = None
     """What the verdict rests on: the run-level test against the measured noise, or fixed per-prompt
     thresholds alone (no noise floor); None in files written before it."""
@@ -243,9 +253,9 @@ class RunMetrics(_Record):
 
     @property
     def gating_failed(self) -> bool:
-        """Whether CI should stop: the output verdict failed, or the latency verdict failed and
-        gates (``thresholds.gate_latency: true``). What exit codes are decided by."""
-        return self.verdict == "fail" or (self.latency_gates and self.latency_verdict == "fail")
+        """Whether CI should stop: the verdict that gates (``gate``) says stop, or the latency verdict
+        failed and gates (``thresholds.gate_latency: true``). What exit codes are decided by."""
+        return gate_fails(self.gate, self.verdict, self.quality) or (self.latency_gates and self.latency_verdict == "fail")
 
 
 class ScoredRun(_Record):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from regress.metrics import output_specs
 from regress.metrics.spec import headline
@@ -63,6 +63,19 @@ def _why(dx: "PromptDiagnosis | None") -> str:
     return "" if dx is None else f"why it drifted: {', '.join(dx.causes)}: {dx.why}"
 
 
+def _quality_properties(props: ET.Element, m: Any) -> None:
+    """Which verdict gates, and the quality verdict's figures."""
+    ET.SubElement(props, "property", name="gate", value=m.gate)
+    q = m.quality
+    if q is None:
+        return
+    for key, value in (("quality_verdict", q.verdict), ("quality_prompts", q.prompts), ("quality_theta", q.theta),
+                       ("quality_difference", q.difference), ("quality_low", q.low), ("quality_high", q.high),
+                       ("quality_prompts_needed", q.prompts_needed)):
+        if value is not None:
+            ET.SubElement(props, "property", name=key, value=xml_text(f"{value:.6g}" if isinstance(value, float) else str(value)))
+
+
 def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
     """The JUnit XML document for one candidate. With a ``diagnosis`` of this run (``regress
     diagnose``), a diagnosed prompt's causes and why end its failure message, and its details
@@ -76,14 +89,22 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
     name = f"regress.{m.candidate}"
     accepted = score.run.candidate.allow_input_drift
 
+    fidelity_gates = m.gate in ("fidelity", "both")
+    quality_gates = m.gate in ("quality", "both")
+
     def fails(s: PromptScore) -> bool:
+        # A candidate gated on quality alone is judged on its answers as a whole (the "quality" case):
+        # a prompt's drift, or one answer lost among others gained, is no failure of it.
+        if not fidelity_gates:
+            return s.prompt_class == "input_drift" and not accepted
         return s.prompt_class == "regression" or _answer_lost(s) or (s.prompt_class == "input_drift" and not accepted)
 
     failures = sum(1 for s in score.scores if fails(s))
     skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not fails(s))
     latency_fails = m.latency_verdict == "fail" and m.latency_gates
-    tests = m.prompts + (1 if latency_fails else 0)
-    failures += 1 if latency_fails else 0
+    quality_fails = quality_gates and (m.quality is None or m.quality.verdict != "pass")
+    tests = m.prompts + (1 if latency_fails else 0) + (1 if quality_gates else 0)
+    failures += (1 if latency_fails else 0) + (1 if quality_fails else 0)
     suites = ET.Element("testsuites", name="regress", tests=str(tests), failures=str(failures),
                         errors="0", skipped=str(skipped))
     suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(tests),
@@ -99,7 +120,17 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
                            ("answers_correct", m.answers_correct), ("answer_flips_lost", m.answer_flips_lost),
                            ("answer_flips_gained", m.answer_flips_gained)):
             ET.SubElement(props, "property", name=key, value=str(value))
+    _quality_properties(props, m)
     _latency_properties(props, m)
+    if quality_gates:
+        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name="quality", time="0")
+        reasons = m.quality.reasons if m.quality is not None else ["no prompt with a checkable answer: quality cannot be judged"]
+        if quality_fails:
+            verdict = m.quality.verdict if m.quality is not None else "inconclusive"
+            failure = ET.SubElement(case, "failure", message=xml_text(f"quality {verdict}: {reasons[0]}"), type="quality")
+            failure.text = xml_text("\n".join(f"- {r}" for r in reasons))
+        else:
+            ET.SubElement(case, "system-out").text = xml_text("\n".join(f"- {r}" for r in reasons))
     if latency_fails:
         case = ET.SubElement(suite, "testcase", classname=xml_text(name), name="latency", time="0")
         message = m.latency_reasons[0] if m.latency_reasons else "latency"

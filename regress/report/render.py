@@ -126,7 +126,7 @@ def render_index(reports: list[tuple[ScoredRun, str]], history: "list[HistoryLin
         rows.append({"m": m, "link": _safe_link(link), "baseline": score.golden.candidate.name,
                      "created": _stamp(score.created_at), "counts": overview.counts(m),
                      "package": score.run.candidate.package, "reasons": score.verdict_reasons})
-    failed = sum(1 for r in rows if r["m"].verdict == "fail")
+    failed = sum(1 for r in rows if r["m"].gating_failed)
     context = {"csp": csp(script=False), "rows": rows, "failed": failed,
                "classes": [(k, overview.CLASS_LABELS[k]) for k in overview.CLASS_ORDER],
                "created": _stamp(datetime.now(timezone.utc)), "style": STYLE,

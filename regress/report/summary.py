@@ -8,9 +8,10 @@ backslash-escaped. Model outputs are never included.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from regress.records import ScoredRun
+from regress.records.quality import gate_fails
 from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import cause_mitigation, causes_by_count, diagnosis_of
@@ -113,16 +114,39 @@ def _diagnosis_markdown(score: ScoredRun, diagnosis: "Diagnosis | None") -> list
     return lines
 
 
+GATE_WORDS = {"fidelity": "did outputs move beyond the baseline's noise", "quality": "did answers hold",
+              "both": "both verdicts"}
+
+
+def quality_markdown(m: Any) -> list[str]:
+    """The quality verdict: accuracies, the paired difference against theta, the slices."""
+    q = m.quality
+    if q is None:
+        return ["**Quality:** no prompt with a checkable answer (`expected` or `choices`)."]
+    lines = [f"**Quality: {q.verdict.upper()}**", ""] + [f"- {md_text(r)}" for r in q.reasons]
+    if q.slices:
+        lines += ["", "| slice | prompts | golden | candidate | difference (points) | interval | Holm p |",
+                  "|---|---:|---:|---:|---:|---|---:|"]
+        lines += [f"| {md_text(s.tag)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,} | "
+                  f"{s.candidate_correct:,} | {s.difference * 100:+.1f} | {s.low * 100:+.1f} to {s.high * 100:+.1f} | "
+                  f"{s.p_adjusted:.2g} |" for s in q.slices]
+    return lines
+
+
 def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
                      diagnosis: "Diagnosis | None" = None) -> str:
     """The Markdown summary of one candidate (with ``regress diagnose``'s causes when
     ``diagnosis`` is one of this run)."""
     m = score.metrics
-    icon, word = ("✅", "passes") if m.verdict == "pass" else ("❌", "fails")
-    if m.verdict == "pass" and m.gating_failed:  # outputs pass, a gating latency verdict failed
-        icon, word = "❌", "fails on latency"
+    icon, word = ("❌", "fails") if m.gating_failed else ("✅", "passes")
+    gate_failed = gate_fails(m.gate, m.verdict, m.quality)
+    if m.gating_failed and not gate_failed:  # the gating verdicts pass, a gating latency verdict failed
+        word = "fails on latency"
     lines = [f"## {icon} regress: {md_code(m.candidate)} {word} against {md_code(score.golden.candidate.name)}", ""]
+    lines += [f"Gated on **{m.gate}** ({GATE_WORDS[m.gate]}).", ""]
+    lines += [f"**Fidelity: {m.verdict.upper()}**", ""]
     lines += [f"- {md_text(r)}" for r in score.verdict_reasons]
+    lines += [""] + quality_markdown(m)
     lines += ["", "| prompts | " + " | ".join(c.label for c in overview.counts(m)) + " |",
               "|---:|" + "---:|" * len(overview.counts(m)),
               f"| {m.prompts:,} | " + " | ".join(f"{c.count:,}" for c in overview.counts(m)) + " |", ""]

@@ -1,0 +1,86 @@
+"""The quality verdict's record (``RunMetrics.quality``): did answers hold, not did tokens.
+
+Only pydantic here: :mod:`regress.records.scores` imports it; :mod:`regress.quality` computes it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from regress.records.base import _Record
+
+Gate = Literal["fidelity", "quality", "both"]
+"""Which verdict gates a candidate (``gate:`` on a candidate; ``auto`` resolves to one of these)."""
+QualityOutcome = Literal["pass", "fail", "inconclusive"]
+
+
+class QualitySlice(_Record):
+    """Accuracy of one tag's answered prompts, golden against candidate, paired."""
+
+    tag: str
+    prompts: int
+    """Answered prompts with this tag."""
+    golden_correct: int
+    candidate_correct: int
+    lost: int
+    """Golden right, candidate wrong."""
+    gained: int
+    """Candidate right, golden wrong."""
+    difference: float
+    """Candidate accuracy minus golden accuracy (-0.05: five points worse)."""
+    low: float
+    high: float
+    """The paired interval of the difference, at the scoring's confidence."""
+    p_value: float
+    """Exact McNemar (binomial) p-value of lost against gained, two-sided."""
+    p_adjusted: float
+    """Holm-corrected over the slices tested."""
+    worse: bool
+    """Significantly worse (p_adjusted below 1 - confidence, more lost than gained): fails the verdict."""
+
+
+class QualityVerdict(_Record):
+    """Paired non-inferiority of the candidate's answers against the golden's (:mod:`regress.quality`)."""
+
+    verdict: QualityOutcome
+    """pass: the interval's lower bound is above -theta; fail: the candidate is significantly worse (the
+    whole interval below 0 and not within theta, or a slice significantly worse); inconclusive: the
+    interval is too wide to say, which gates like a fail."""
+    theta: float
+    """Non-inferiority margin, in accuracy (0.05: five points; ``thresholds.quality_theta``)."""
+    confidence: float
+    """Confidence of the intervals (``thresholds.confidence``)."""
+    prompts: int
+    """Answered prompts (free-text ``expected`` or ``choices``) compared."""
+    golden_accuracy: float | None
+    candidate_accuracy: float | None
+    lost: int = 0
+    gained: int = 0
+    difference: float | None = None
+    """Candidate accuracy minus golden accuracy, on the same prompts."""
+    low: float | None = None
+    high: float | None = None
+    """The paired interval of the difference (see ``method``)."""
+    method: str = ""
+    """How the interval was made, in words."""
+    mcnemar_p: float | None = None
+    prompts_needed: int | None = None
+    """Answered prompts a check at this discordance and difference would need to conclude (power
+    ``thresholds.quality_power``); None when concluded, or when no number would (the difference is past -theta)."""
+    reasons: list[str] = Field(default_factory=list)
+    slices: list[QualitySlice] = Field(default_factory=list)
+    """Per tag with enough answered prompts (``thresholds.quality_min_slice``), in first-seen order."""
+    worse_slices: list[str] = Field(default_factory=list)
+
+
+def gate_fails(gate: Gate, fidelity: str, quality: QualityVerdict | None) -> bool:
+    """Whether the verdicts that gate say stop: fidelity's ``fail``; quality's ``fail`` or
+    ``inconclusive`` (or no answered prompt to judge it by)."""
+    quality_fails = quality is None or quality.verdict != "pass"
+    if gate == "fidelity":
+        return fidelity == "fail"
+    if gate == "quality":
+        return quality_fails
+    return fidelity == "fail" or quality_fails
