@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from regress.errors import DatasetError, DuplicateKeyError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
+from regress.records.prompts import FIELD_PROBLEM
 from regress.validation import all_errors, load_yaml, yaml_key_lines
 
 MAX_REPORTED_PROBLEMS = 50
@@ -130,8 +131,8 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
         try:
             record = PromptRecord.model_validate(data)
         except ValidationError as exc:
-            for where, message in all_errors(exc, PromptRecord):
-                problems.append(DatasetError(message, file=path, line=number, field=where or "prompt|messages"))
+            for error, (where, message) in zip(exc.errors(), all_errors(exc, PromptRecord)):
+                problems.append(DatasetError(message, file=path, line=number, field=where or _field_of(error)))
             continue
         if record.id in first_line_of:
             problems.append(
@@ -146,6 +147,15 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
                                          "set sampling.temperature above 0 or drop samples",
                                          file=path, line=number, field="samples"))
             continue
+        temperature = record.sampling.over(card.defaults).temperature  # None: the candidate's, checked by the plan
+        if (record.choices is not None and record.samples is None and temperature is not None and temperature > 0
+                and card.samples is not None and card.samples > 1):
+            # The card's samples reach every prompt that samples: this one would run several times.
+            problems.append(DatasetError(f"the card's samples: {card.samples} would sample this prompt (its temperature "
+                                         "is above 0), and a prompt with 'choices' is not sampled: give it "
+                                         "\"samples\": 1 or temperature 0, or drop the card's samples",
+                                         file=path, line=number, field="choices"))
+            continue
         prompts.append(record)
     if not prompts and not problems:
         problems.append(DatasetError("the prompt set holds no prompts", file=path))
@@ -158,6 +168,14 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
         card_path=card_file if card_raw else None,
     )
     return prompt_set, []
+
+
+def _field_of(error: Any) -> str:
+    """The field a cross-field problem names (:data:`~regress.records.prompts.FIELD_PROBLEM`),
+    else the input fields: a problem pydantic locates nowhere is about the record as a whole."""
+    if error.get("type") == FIELD_PROBLEM:
+        return str((error.get("ctx") or {}).get("field"))
+    return "prompt|messages"
 
 
 def write_demo_prompts(out_dir: str | Path, *, which: Path = DEMO_PROMPTS) -> Path:

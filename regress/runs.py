@@ -43,6 +43,7 @@ import numpy as np
 
 from regress.errors import IntegrityError, StorageError
 from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest, ShardFile
+from regress.records.generation import CHOICE_ARRAYS, ChoiceScores, choice_scores, choices_problem
 from regress.storage import (atomic_write_text, decode_shard, partial_path, read_record, read_shard_meta,
                              sha256_file)
 
@@ -193,9 +194,24 @@ class RunResult:
     concurrency: int | None = None
     """Requests the ``server`` backend kept in flight (shard meta ``concurrency``); None when not
     recorded."""
+    choice_texts: list[list[str] | None] | None = None
+    """Per prompt, its choices (None for a prompt without); None altogether for a run with no
+    multiple-choice prompt (or written before choices were scored). Their scores are the
+    ``choice_*`` arrays (:data:`~regress.records.generation.CHOICE_ARRAYS`)."""
+    choice_answers: list[int | None] | None = None
+    """Per prompt, the index of its right choice (as :attr:`choice_texts`)."""
 
     def __post_init__(self) -> None:
         self._index = {pid: i for i, pid in enumerate(self.prompt_ids)}
+
+    def choices(self, key: int | str) -> ChoiceScores | None:
+        """A prompt's choices with their log-likelihoods (None: it has none)."""
+        i = self._index[key] if isinstance(key, str) else key
+        texts = self.choice_texts[i] if self.choice_texts is not None else None
+        if texts is None or self.choice_answers is None:
+            return None
+        offsets = self.arrays["choice_offsets"]
+        return choice_scores(texts, int(self.choice_answers[i]), self.arrays, int(offsets[i]), int(offsets[i + 1]))
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -309,6 +325,7 @@ class RunResult:
             ),
             teacher_forced=forced,
             sampling_data=self.sampling[i],
+            choices=self.choices(i),
         )
 
 
@@ -392,6 +409,8 @@ def load_run(path: str | Path) -> RunResult:
     ttft: list[float | None] = []
     latency: list[float | None] = []
     concurrency: int | None = None
+    choice_texts: list[Any] = []
+    choice_answers: list[Any] = []
     parts = []
     recorded = {f.index: f for f in manifest.shard_files or []}
     for shard in manifest.layout.shards:
@@ -415,7 +434,11 @@ def load_run(path: str | Path) -> RunResult:
             raise StorageError(f"{file}: {exc}") from exc
         _verify_stamps(file, shard.index, meta, manifest, expected)
         _check_shard(file, meta, arrays, shard.count)
-        if parts and set(arrays) != set(parts[0]):
+        problem = choices_problem(meta, arrays, shard.count)
+        if problem is not None:
+            raise StorageError(f"{file}: not a consistent shard: {problem}")
+        # Only shards holding a multiple-choice prompt have choice arrays: left out of the test.
+        if parts and set(arrays) - set(CHOICE_ARRAYS) != set(parts[0]) - set(CHOICE_ARRAYS):
             raise StorageError(f"{file}: holds the arrays {sorted(arrays)}, the run's first shard "
                                f"{sorted(parts[0])}: shards of two different runs?")
         prompt_ids += meta["prompt_ids"]
@@ -427,11 +450,41 @@ def load_run(path: str | Path) -> RunResult:
         if concurrency is None:
             concurrency = _concurrency(file, meta)
         parts.append(arrays)
+        choice_texts += meta.get("choice_texts") or [None] * shard.count
+        choice_answers += meta.get("choice_answers") or [None] * shard.count
     timed = any(v is not None for v in ttft) or any(v is not None for v in latency)
-    return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, _concatenate(parts),
+    joined = _concatenate(parts)
+    chosen = any(t is not None for t in choice_texts)
+    if chosen:
+        joined.update(_concatenate_choices(parts))
+    return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, joined,
                      verified=manifest.shard_files is not None,
                      ttft_s=ttft if timed else None, latency_s=latency if timed else None,
-                     concurrency=concurrency)
+                     concurrency=concurrency, choice_texts=choice_texts if chosen else None,
+                     choice_answers=choice_answers if chosen else None)
+
+
+def _concatenate_choices(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The choice arrays of every shard joined in order (a shard without choices adds none, but
+    its prompts still take their places in ``choice_offsets``), offsets rebased."""
+    prompt_offsets, token_offsets = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)]
+    totals, tokens, token_lp = [], [], []
+    choices_before = tokens_before = 0
+    for p in parts:
+        if "choice_offsets" not in p:
+            count = len(p["prompt_offsets"]) - 1
+            prompt_offsets.append(np.full(count, choices_before, np.int64))
+            continue
+        prompt_offsets.append(p["choice_offsets"][1:].astype(np.int64) + choices_before)
+        token_offsets.append(p["choice_token_offsets"][1:].astype(np.int64) + tokens_before)
+        totals.append(p["choice_logprobs"].astype(np.float64))
+        tokens.append(p["choice_tokens"].astype(np.int32))
+        token_lp.append(p["choice_token_logprobs"].astype(np.float32))
+        choices_before += len(p["choice_logprobs"])
+        tokens_before += len(p["choice_tokens"])
+    return {"choice_offsets": np.concatenate(prompt_offsets), "choice_token_offsets": np.concatenate(token_offsets),
+            "choice_logprobs": np.concatenate(totals), "choice_tokens": np.concatenate(tokens),
+            "choice_token_logprobs": np.concatenate(token_lp)}
 
 
 TIMING_LISTS = ("ttft_s", "latency_s")

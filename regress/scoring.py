@@ -18,6 +18,7 @@ from regress.metrics import DEFAULT_METRICS, get_metric
 from regress.metrics.aggregate import aggregates
 from regress.metrics.answers import matching_answer
 from regress.metrics.base import MetricInfo, Pair
+from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
 from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
@@ -178,6 +179,8 @@ def score_runs(
             klass, reasons, answer = sampled_class(unit, klass, reasons, expected.get(unit.prompt_id), t)
         elif expected.get(unit.prompt_id):
             answer = check_answer(pair.golden.text, pair.candidate.text, expected[unit.prompt_id])
+        elif pair.golden.choices is not None:  # multiple choice: the pick by log-likelihood is the answer
+            answer = choice_answer_check(row, pair.golden.choices)
         counts[klass] += 1
         why = answer_reason(answer) if answer is not None else None
         if why:  # a lost answer leads (it is what a reader acts on); a gained one follows

@@ -55,14 +55,22 @@ PROTOCOL_ERROR = "protocol"
 # --------------------------------------------------------------------------------------
 
 
-class PromptInput(TypedDict):
-    """One prompt of a shard, as the engine needs it."""
-
+class _PromptFields(TypedDict):
     id: str
     payload: dict[str, Any]
     """``{"prompt": str}`` or ``{"messages": [...]}`` (``regress.datasets.PromptRecord.payload``)."""
     sampling: dict[str, Any]
     """Every field of ``regress.records.ResolvedSampling``."""
+
+
+class PromptInput(_PromptFields, total=False):
+    """One prompt of a shard, as the engine needs it. ``choices`` and ``answer`` only for a
+    multiple-choice prompt (absent otherwise, so older shards' requests are unchanged)."""
+
+    choices: list[str]
+    """Continuations, each scored by its log-likelihood after the rendered prompt."""
+    answer: int
+    """Index of the right choice (recorded with the scores)."""
 
 
 TeacherForcePair = list[list[int]]
@@ -378,6 +386,13 @@ def _prompts(value: Any, what: str) -> list[PromptInput]:
         f.get("id", _is_str, "a string")
         f.get("payload", _is_dict, "an object")
         f.get("sampling", _is_dict, "an object")
+        choices = f.get("choices", _list_of(lambda c: isinstance(c, str) and bool(c)), "a list of non-empty strings",
+                        optional=True)
+        answer = f.get("answer", _is_int, "an integer", optional=True)
+        if (choices is None) != (answer is None):
+            raise ProtocolError(f"{f.what}: 'choices' and 'answer' come together")
+        if choices is not None and not (len(choices) >= 2 and 0 <= answer < len(choices)):
+            raise ProtocolError(f"{f.what}: 'answer' {answer} does not index {len(choices)} choices (at least 2)")
     return value
 
 

@@ -35,6 +35,7 @@ from regress.backends.base import (
     sampling_key,
 )
 from regress.engine import facts
+from regress.engine.choices import score_choices
 from regress.engine.protocol import (
     INPUT_ERROR,
     PROTOCOL_ERROR,
@@ -234,6 +235,10 @@ class EngineServer:
             tf_tokens, tf_offsets = ragged([s[1][: len(r.token_logprobs)] for s, r in zip(sequences, rows)], np.int32)
             arrays.update(tf_tokens=tf_tokens, tf_offsets=tf_offsets, **_stack(rows, k, "tf_"))
             cut = _teacher_force_cut(sequences, rows)
+        # Every run scores the choices (a golden too, which teacher-forces nothing else), after the
+        # prompt ids the generation used.
+        choice_arrays, choice_meta = score_choices(self.backend, prompts, rendered)
+        arrays.update(choice_arrays)
         applied, truncated = self._sampling_applied(prompts)
         meta = {
             **({"sampling_applied": applied, "sampling_applied_truncated": truncated} if applied else {}),
@@ -251,6 +256,7 @@ class EngineServer:
             "prompt_tokens": int(prompt_tokens.size),
             "output_tokens": int(output_tokens.size),
             **_timing_meta(self.backend, outputs),
+            **choice_meta,
         }
         write_shard(request.out, meta, arrays)
         return ShardReply(result={

@@ -1,14 +1,17 @@
 """Metrics, registered by name and imported when used.
 
 Built in (in the order they run): ``exact_tokens``, ``divergence_point``, ``prefix_logprobs``,
-``teacher_forced``, ``surface``, ``semantic``, ``sampled`` (distributions of sampled prompts). Each is a factory in one module; see
+``teacher_forced``, ``surface``, ``semantic``, ``sampled`` (distributions of sampled prompts), ``choices``
+(multiple-choice prompts scored by log-likelihood). Each is a factory in one module; see
 :mod:`regress.metrics.base` for the contract and :mod:`regress.metrics.spec` for what a metric
 declares about its values. Other packages add metrics through the ``regress.metrics``
 entry-point group; they run when listed in ``thresholds.metrics``.
 
 Expected answers (:mod:`regress.metrics.answers`) are not a registered metric: a pair of outputs
 does not know its prompt's accepted answers, so scoring checks them with the prompt set's
-``expected`` (:func:`regress.scoring.score_runs`).
+``expected`` (:func:`regress.scoring.score_runs`). A multiple-choice prompt's answer does come
+from a metric (``choices``: each side's stored choice scores know the right index), and scoring
+turns its values into the answer check (:func:`regress.metrics.choices.answer_check`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ BUILTIN: dict[str, str] = {
     "surface": "regress.metrics.surface:surface",
     "semantic": "regress.metrics.semantic:semantic",
     "sampled": "regress.metrics.sampled:sampled",
+    "choices": "regress.metrics.choices:choices",
 }
 
 DEFAULT_METRICS = tuple(BUILTIN)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from regress.cli_output import out
 from regress.errors import EXIT_OK, EXIT_REGRESSION, ConfigError
 from regress.power.ladder import DEFAULT_STEPS
 
@@ -72,15 +73,15 @@ def power(
                                 noise=noise, expected=expected_answers(prompt_set), steps=ladder, seed=seed,
                                 progress=sink, force=force, keep_models=keep_models)
     if as_json:
-        typer.echo(json.dumps(json.loads(result.model_dump_json()), indent=2))
+        out(json.dumps(json.loads(result.model_dump_json()), indent=2))
     else:
-        typer.echo(f"ladder ({'run-level test against the noise floor' if result.basis == 'noise' else 'per-prompt thresholds'}):")
+        out(f"ladder ({'run-level test against the noise floor' if result.basis == 'noise' else 'per-prompt thresholds'}):")
         for step in result.steps:
-            typer.echo(_line(step))
+            out(_line(step))
         for arm in result.arms:
-            typer.echo(f"  noise arm {arm.arm:<18} {arm.verdict.upper():<5} {arm.summary}")
-        typer.echo(result.summary)
-        typer.echo(f"written: {p.power_dir() / 'power.json'}")
+            out(f"  noise arm {arm.arm:<18} {arm.verdict.upper():<5} {arm.summary}")
+        out(result.summary)
+        out(f"written: {p.power_dir() / 'power.json'}")
     raise typer.Exit(EXIT_OK if consistent(result) or no_fail else EXIT_REGRESSION)
 
 

@@ -5,9 +5,27 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from regress.records.base import _Strict
 from regress.records.sampling import MAX_SAMPLES, SamplingSpec
+
+MIN_CHOICES = 2
+MAX_CHOICES = 26
+"""A multiple-choice prompt holds 2 to 26 continuations (A to Z: no benchmark needs more, and each
+one costs a prefill on every side)."""
+MAX_CHOICE_CHARS = 4000
+"""Longest continuation, in characters: a choice is an answer, not a document."""
+
+
+FIELD_PROBLEM = "prompt_field"
+"""pydantic error type of a problem found across fields (a model validator, whose errors pydantic
+locates nowhere); its context's ``field`` names the field a reader should look at, and
+:func:`regress.datasets.check_prompt_set` reports it there."""
+
+
+def _field_problem(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(FIELD_PROBLEM, message.replace("{", "{{").replace("}", "}}"), {"field": field})
 
 
 class Message(_Strict):
@@ -42,6 +60,50 @@ class PromptRecord(_Strict):
     and whitespace collapsing, on word boundaries (``4`` is not in ``14``; CJK: plain containment;
     see :mod:`regress.metrics.answers`). Scoring reports the answers golden and candidate get
     right and the flips between them. Stored as a list."""
+
+    choices: list[str] | None = None
+    """Multiple choice: 2 to 26 distinct continuations, each scored by its log-likelihood after
+    the rendered prompt (one prefill per choice, in the same engine session as the generation).
+    A choice is tokenized on its own, without special tokens, and its tokens follow the prompt's
+    tokens: write the separator it needs (``" Paris"`` after ``"The capital of France is"``, as
+    lm-evaluation-harness's target delimiter does; nothing is added or stripped). Needs
+    ``answer``; not with ``expected`` or ``samples``."""
+    answer: int | None = None
+    """Index (0-based) of the right choice in ``choices``."""
+
+    @field_validator("choices", mode="before")
+    @classmethod
+    def _choice_list(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise ValueError(f"must be a list of {MIN_CHOICES} to {MAX_CHOICES} strings (continuations), "
+                             f"got {_json_type(value)}")
+        # The count first: a hostile list of a million entries is refused before it is walked.
+        if not MIN_CHOICES <= len(value) <= MAX_CHOICES:
+            raise ValueError(f"must hold {MIN_CHOICES} to {MAX_CHOICES} choices, got {len(value)}")
+        seen: dict[str, int] = {}
+        for i, choice in enumerate(value):
+            where = f"choice {i}: "
+            if not isinstance(choice, str):
+                raise ValueError(f"{where}must be a string, got {_json_type(choice)}")
+            if not choice.strip():
+                raise ValueError(f"{where}must not be empty or only whitespace")
+            if len(choice) > MAX_CHOICE_CHARS:
+                raise ValueError(f"{where}is {len(choice)} characters long, at most {MAX_CHOICE_CHARS}")
+            if choice in seen:
+                raise ValueError(f"{where}is the same text as choice {seen[choice]} (two equal choices "
+                                 "always score the same, so the pick between them is arbitrary)")
+            seen[choice] = i
+        return value
+
+    @field_validator("answer", mode="before")
+    @classmethod
+    def _answer_index(cls, value: Any) -> Any:
+        # JSON true is not index 1, nor 1.0: strict mode refuses both, but says so less plainly.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"must be an integer index into 'choices' (0 = the first), got {_json_type(value)}")
+        return value
 
     @field_validator("expected", mode="before")
     @classmethod
@@ -93,6 +155,34 @@ class PromptRecord(_Strict):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
         return self
+
+    @model_validator(mode="after")
+    def _choices_with_answer(self) -> "PromptRecord":
+        if self.choices is None:
+            if self.answer is not None:
+                raise _field_problem("answer", "needs 'choices' (the continuations it indexes)")
+            return self
+        if self.answer is None:
+            raise _field_problem("answer", "required with 'choices': the 0-based index of the right choice")
+        if not 0 <= self.answer < len(self.choices):
+            raise _field_problem("answer", f"is {self.answer}, outside the {len(self.choices)} choices "
+                                            f"(0 .. {len(self.choices) - 1})")
+        if self.expected is not None:
+            # One prompt, one answer check: a free-text answer and a choice could disagree about
+            # whether the same side got it right.
+            raise _field_problem("choices", "give either 'expected' (a free-text answer) or 'choices' with "
+                                             "'answer', not both")
+        if self.samples is not None and self.samples > 1:
+            raise _field_problem("choices", "cannot go with 'samples': a choice's log-likelihood is one "
+                                             "number per side, not a distribution; drop samples")
+        return self
+
+    def choice_input(self) -> dict[str, Any]:
+        """What the engine side needs to score the choices (empty for a prompt without them): the
+        texts, and the answer, recorded with the scores so that a run says what was asked."""
+        if self.choices is None:
+            return {}
+        return {"choices": list(self.choices), "answer": self.answer}
 
     def payload(self) -> dict[str, Any]:
         """What the engine side needs to render this prompt."""

@@ -115,6 +115,12 @@ def plan_entries(prompt_set: PromptSet, candidate: CandidateSpec,
     entries: list[Entry] = []
     for prompt, sampling in zip(prompt_set.prompts, resolve_sampling(prompt_set, candidate, defaults)):
         n = sample_count(prompt, prompt_set.card.samples, sampling)
+        if n > 1 and prompt.choices is not None:
+            # The prompt set refuses this where it can tell; a candidate's own temperature above 0
+            # with the card's samples is only known here.
+            raise ConfigError(f"prompt '{prompt.id}' has choices but would run as {n} samples (the card's samples "
+                              f"at temperature {sampling.temperature}): a prompt with choices is not sampled; give "
+                              "it \"samples\": 1 or temperature 0", field="samples", file=str(prompt_set.path))
         if n == 1:
             entries.append(Entry(prompt.id, prompt, sampling))
             continue
@@ -265,8 +271,12 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
     tasks = []
     for shard in layout.shards:
         chosen = entries[shard.start : shard.start + shard.count]
+        # choice_input() is empty for a prompt without choices, so the shard fingerprints of
+        # existing runs (which hash these inputs) stay as they were.
         inputs: list[PromptInput] = [
-            {"id": e.id, "payload": e.prompt.payload(), "sampling": e.sampling.model_dump()} for e in chosen
+            {"id": e.id, "payload": e.prompt.payload(), "sampling": e.sampling.model_dump(),
+             **e.prompt.choice_input()}  # type: ignore[typeddict-item]
+            for e in chosen
         ]
         pairs: list[TeacherForcePair | None] | None = None
         if forced:
