@@ -51,8 +51,11 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
 
     # The run's measures as the metrics declare them (label, format, order), plugins' included.
     shown = ", ".join(f"{x.label} {x.value}" for x in measures(m))
+    decision = "FAIL" if m.gating_failed else "PASS"
+    verdicts = f"fidelity {m.verdict.upper()}, quality {(m.quality_verdict or 'n/a').upper()}"
     _out(
-        f"{m.candidate}: {m.verdict.upper()}  {m.prompts} prompts: {m.identical} identical, {m.benign} benign, "
+        f"{m.candidate}: {decision} (gated on {m.gate}; {verdicts})  {m.prompts} prompts: {m.identical} identical, "
+        f"{m.benign} benign, "
         f"{m.drift} drift, {m.regression} regression, {m.input_drift} input drift\n"
         f"  {shown}\n"
         f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "

@@ -138,11 +138,11 @@ def test_metrics_and_plots(pipeline, tmp_path):
 
 
 def test_gate_exits_1_on_a_failing_candidate_and_annotates_it(pipeline):
-    gate = subprocess.run([sys.executable, "-m", "regress.cli", "gate", "--annotate", "fp8-kv", "next"],
+    gate = subprocess.run([sys.executable, "-m", "regress.cli", "gate", "--annotate", "w4a16", "next"],
                           cwd=pipeline, capture_output=True, text=True)
     assert gate.returncode == 1, gate.stderr
-    assert "FAIL  fp8-kv" in gate.stdout and "PASS  next" in gate.stdout
-    assert "::error title=regression%3A regress.fp8-kv /" in gate.stdout
+    assert "FAIL  w4a16" in gate.stdout and "PASS  next" in gate.stdout
+    assert "::error title=regression%3A regress.w4a16 / quality" in gate.stdout
 
 
 def test_threshold_change_reruns_only_scoring_and_report(pipeline):
