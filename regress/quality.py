@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from regress.records.quality import Gate, QualitySlice, QualityVerdict, gate_fails  # noqa: F401  (re-exported)
+from regress.records.quality import Gate, QualitySlice, QualityVerdict
 
 ON_PURPOSE_FIELDS = ("model", "revision", "quantization", "dtype")
 """A candidate that differs from its baseline in one of these (or in the KV-cache dtype) changes the
@@ -97,17 +97,9 @@ def prompts_needed(golden: Sequence[int], candidate: Sequence[int], theta: float
     if theta + mean <= 0:
         return None
     if not any(diffs):
-        m = max(n, 1)
-        while _wilson_high(0, m, confidence) >= theta:
-            m = max(m + 1, int(m * 1.1))
-        lo = max(1, m // 2)
-        while lo < m:  # the smallest such m: the bound falls with m
-            mid = (lo + m) // 2
-            if _wilson_high(0, mid, confidence) < theta:
-                m = mid
-            else:
-                lo = mid + 1
-        return m
+        # Wilson's upper bound of 0 of m is z^2 / (m + z^2): below theta from m > z^2 (1 - theta) / theta.
+        z2 = _z((1 + confidence) / 2) ** 2
+        return math.floor(z2 * (1 - theta) / theta) + 1
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 1.0
     z = _z((1 + confidence) / 2) + _z(power)
     return math.ceil((z * sd / (theta + mean)) ** 2)

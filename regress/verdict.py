@@ -419,8 +419,12 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     failures, passes = [], []
     judged = noise is not None and noise.test is not None
     gating = len(noise.severe_ids) if judged else regressions
-    if judged:
-        (failures if noise.test.beyond else passes).append(f"the run as a whole is {noise.test.summary}")
+    # The run-level call leads the reasons, pass or fail: among the failures when it is beyond,
+    # right after them when it is within.
+    run_level = [f"the run as a whole is {noise.test.summary}"] if judged else []
+    if judged and noise.test.beyond:
+        failures += run_level
+        run_level = []
     if by_count and gating > t.max_regressions:
         if judged:
             failures.append(f"{gating} prompt(s) regressed severely ({_ids(noise.severe_ids)}: at least "
@@ -444,17 +448,14 @@ def run_verdict(counts: dict[str, int], t: Any, *,
     notes += _unmeasured_notes(not_teacher_forced, nonfinite_ids)
     notes += _basis_notes(noise, regressions, t)
     if failures:
-        within = [passes[0]] if judged and not noise.test.beyond else []  # the run-level call, said either way
-        return "fail", failures + within + notes
+        return "fail", failures + run_level + notes
     if by_count and judged:
-        reasons = [passes.pop(0), f"{gating} severe regression(s), allowed {t.max_regressions}"]
+        reasons = [f"{gating} severe regression(s), allowed {t.max_regressions}"]
     elif by_count:
         reasons = [f"{regressions} regression(s), allowed {t.max_regressions}"]
     else:
         reasons = [f"{regressions} regression(s) (the count does not gate: max_regression_rate is set)"]
-        if judged:
-            reasons.insert(0, passes.pop(0))
-    reasons += passes
+    reasons = run_level + reasons + passes
     if drifted:
         reasons.append(f"{drifted} prompt(s) changed their input tokens, accepted (allow_input_drift: true)")
     return "pass", reasons + notes

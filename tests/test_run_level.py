@@ -162,3 +162,22 @@ def test_the_basis_says_what_the_verdict_rests_on() -> None:
 
 def test_measures_are_the_three_the_issue_names() -> None:
     assert [m.name for m in MEASURES] == ["tf_kl_mean", "tf_disagreement", "tf_max_flipped_margin"]
+
+
+def test_a_power_file_is_shown_only_whole_and_for_its_golden(tmp_path, capsys) -> None:
+    from regress.power.ladder import conclude, load_power, thresholds_digest
+    from regress.power.record import POWER_FILE, PowerStep
+
+    steps = [PowerStep(key=f"w{i}", scale=s, label=f"step {i}", run_id="r", prompts=10, identical=5, regressions=0,
+                       verdict=v, reasons=[]) for i, (s, v) in enumerate([(0.001, "pass"), (0.01, "fail")])]
+    power = conclude("g1", 0, steps, [], basis="noise", digest=thresholds_digest(T))
+    assert power.smallest_failing == "w1" and power.monotone and "fails step 1 and passes step 0" in power.summary
+    assert load_power(tmp_path, "g1", T) is None  # no file: no figure, no warning
+    (tmp_path / POWER_FILE).write_text(power.model_dump_json())
+    figure = load_power(tmp_path, "g1", T)
+    assert figure.smallest_failing_scale == 0.01 and figure.current and figure.arms_pass is None
+    assert load_power(tmp_path, "another-golden", T) is None
+    assert load_power(tmp_path, "g1", Thresholds(noise_min_ratio=3)).current is False
+    (tmp_path / POWER_FILE).write_text('{"format_version": 1, "steps": "nope"}')
+    assert load_power(tmp_path, "g1", T) is None
+    assert "not a regress power file" in capsys.readouterr().err

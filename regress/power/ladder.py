@@ -210,22 +210,16 @@ def load_power(power_dir: Path, golden_run_id: str, thresholds: Any) -> PowerFig
     """The figure of ``power/power.json`` for a scoring: None when there is none or it is of another
     golden (stale: never shown as this golden's); ``current`` False when measured with other
     thresholds. An unreadable or invalid file is a warning, never a figure."""
-    from pydantic import ValidationError
-
+    from regress.errors import StorageError
     from regress.progress import warn
+    from regress.storage import read_record
 
-    path = power_dir / POWER_FILE
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        power = read_record(power_dir / POWER_FILE, DetectionPower, what="a regress power file", missing=None)
+    except StorageError as exc:
+        warn(f"{exc}; the report shows no detection power (run `regress power` again)")
         return None
-    except OSError as exc:
-        warn(f"{path}: cannot read it ({exc}); the report shows no detection power")
-        return None
-    try:
-        power = DetectionPower.model_validate_json(data)
-    except ValidationError as exc:
-        warn(f"{path}: not a regress power file ({exc.errors()[0]['msg']}); run `regress power` again")
+    if power is None:
         return None
     if power.golden_run_id != golden_run_id:
         return None
