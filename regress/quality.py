@@ -4,7 +4,8 @@ A change made on purpose (an FP8 KV cache, a W8A8 checkpoint, a faster kernel) i
 compute differently: the fidelity verdict (:mod:`regress.verdict`, tokens against the baseline's
 noise) fails it by construction and does not answer the question asked, *is it as good?* This one
 does, from the prompts with a checkable answer (``expected`` text, or ``choices``): each such prompt
-is right or wrong on each side, and the verdict is a **paired non-inferiority test** of the accuracy
+is right or wrong on each side (a sampled prompt, judged as a distribution, scores the share of its
+samples that are right), and the verdict is a **paired non-inferiority test** of the accuracy
 difference (candidate minus golden) against a margin ``theta``:
 
 - the interval is the paired t interval of the per-prompt differences (``scipy.stats.ttest_rel``'s
@@ -14,7 +15,9 @@ difference (candidate minus golden) against a margin ``theta``:
   discordance rate of 0 of n (``scipy.stats.binomtest``), so a small set is never certain;
 - **pass** when the lower bound is above -theta; **fail** when the whole interval is below 0 and
   not above -theta (significantly worse, possibly by more than theta), or when a tag's slice is
-  significantly worse (exact McNemar per slice, Holm-corrected over the slices); **inconclusive**
+  significantly worse (an exact sign test of the prompts that got worse against those that got better
+  per slice, which is exact McNemar when each prompt is answered once; Holm-corrected over the
+  slices); **inconclusive**
   otherwise: the interval is too wide to say. It gates like a fail and says how many answered
   prompts would conclude at this discordance (:func:`prompts_needed`, power ``quality_power``).
 
@@ -24,7 +27,7 @@ Which verdict gates a candidate is its ``gate`` (:func:`resolve_gate`); both are
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from regress.records.quality import Gate, QualitySlice, QualityVerdict
@@ -65,9 +68,10 @@ def _wilson_high(k: int, n: int, confidence: float) -> float:
     return float(binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson").high)
 
 
-def paired_interval(golden: Sequence[int], candidate: Sequence[int], confidence: float) -> tuple[float, float, float, str]:
-    """(difference, low, high, method) of candidate accuracy minus golden accuracy on paired 0/1
-    outcomes."""
+def paired_interval(golden: Sequence[float], candidate: Sequence[float],
+                    confidence: float) -> tuple[float, float, float, str]:
+    """(difference, low, high, method) of candidate accuracy minus golden accuracy on paired
+    outcomes (1/0 per prompt, or a sampled prompt's share of right samples)."""
     n = len(golden)
     diffs = [c - g for g, c in zip(golden, candidate)]
     mean = sum(diffs) / n
@@ -83,7 +87,7 @@ def paired_interval(golden: Sequence[int], candidate: Sequence[int], confidence:
     return mean, float(ci.low), float(ci.high), "paired t interval of the per-prompt differences (scipy.stats.ttest_rel)"
 
 
-def prompts_needed(golden: Sequence[int], candidate: Sequence[int], theta: float, confidence: float,
+def prompts_needed(golden: Sequence[float], candidate: Sequence[float], theta: float, confidence: float,
                    power: float) -> int | None:
     """Answered prompts at which a check with this discordance and difference would show
     non-inferiority (the interval's lower bound above -theta) with probability ``power``:
@@ -117,21 +121,29 @@ def _pts(v: float) -> str:
     return f"{v * 100:+.1f}"
 
 
-def judge_quality(answers: Sequence[tuple[str, list[str], bool, bool]], t: Any) -> QualityVerdict | None:
-    """The quality verdict of the answered prompts: (prompt id, tags, golden right, candidate right)
-    each, in prompt set order. None without any."""
+def _count(v: float) -> str:
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.2f}"
+
+
+def judge_quality(answers: Sequence[tuple[str, list[str], float, float]], t: Any,
+                  sampled_ids: Collection[str] = ()) -> QualityVerdict | None:
+    """The quality verdict of the answered prompts: (prompt id, tags, golden score, candidate score)
+    each, in prompt set order; a score is 1 (right) or 0, or a sampled prompt's share of right
+    samples (:attr:`regress.records.AnswerCheck.golden_score`; ``sampled_ids`` names those). None
+    without any."""
     if not answers:
         return None
     theta, conf = t.quality_theta, t.confidence
-    g = [int(a[2]) for a in answers]
-    c = [int(a[3]) for a in answers]
+    g = [float(a[2]) for a in answers]
+    c = [float(a[3]) for a in answers]
     n = len(answers)
+    sampled = sum(1 for a in answers if a[0] in sampled_ids)
     diff, low, high, method = paired_interval(g, c, conf)
-    lost = sum(1 for x, y in zip(g, c) if x and not y)
-    gained = sum(1 for x, y in zip(g, c) if y and not x)
+    lost = sum(1 for x, y in zip(g, c) if y < x)
+    gained = sum(1 for x, y in zip(g, c) if y > x)
     slices = _slices(answers, t)
     worse = [s.tag for s in slices if s.worse]
-    shown = (f"accuracy {sum(c)}/{n} against the golden's {sum(g)}/{n}: {_pts(diff)} points "
+    shown = (f"accuracy {_count(sum(c))}/{n} against the golden's {_count(sum(g))}/{n}: {_pts(diff)} points "
              f"({conf:.0%} interval {_pts(low)} to {_pts(high)}; {lost} lost, {gained} gained)")
     needed = None
     if worse:
@@ -149,26 +161,27 @@ def judge_quality(answers: Sequence[tuple[str, list[str], bool, bool]], t: Any) 
         more = (f"about {needed:,} answered prompts would conclude at this discordance (power {t.quality_power:.0%})"
                 if needed is not None else "no number of prompts would show it within the margin at this difference")
         reasons = [f"{shown}: the interval includes -{theta * 100:g} points, too wide to say; {more}"]
-    return QualityVerdict(verdict=verdict, theta=theta, confidence=conf, prompts=n, golden_accuracy=sum(g) / n,
+    return QualityVerdict(verdict=verdict, theta=theta, confidence=conf, prompts=n, sampled=sampled,
+                          golden_accuracy=sum(g) / n,
                           candidate_accuracy=sum(c) / n, lost=lost, gained=gained, difference=diff, low=low,
                           high=high, method=method, mcnemar_p=_mcnemar(lost, gained), prompts_needed=needed,
                           reasons=reasons, slices=slices, worse_slices=worse)
 
 
-def _slices(answers: Sequence[tuple[str, list[str], bool, bool]], t: Any) -> list[QualitySlice]:
+def _slices(answers: Sequence[tuple[str, list[str], float, float]], t: Any) -> list[QualitySlice]:
     from regress.stats import holm
 
-    tags: dict[str, list[tuple[int, int]]] = {}
+    tags: dict[str, list[tuple[float, float]]] = {}
     for _, prompt_tags, g, c in answers:
         for tag in dict.fromkeys(prompt_tags):
-            tags.setdefault(tag, []).append((int(g), int(c)))
+            tags.setdefault(tag, []).append((float(g), float(c)))
     kept = {tag: rows for tag, rows in tags.items() if len(rows) >= t.quality_min_slice}
     raw = []
     for tag, rows in kept.items():
         g, c = [r[0] for r in rows], [r[1] for r in rows]
         diff, low, high, _ = paired_interval(g, c, t.confidence)
-        lost = sum(1 for x, y in rows if x and not y)
-        gained = sum(1 for x, y in rows if y and not x)
+        lost = sum(1 for x, y in rows if y < x)
+        gained = sum(1 for x, y in rows if y > x)
         raw.append((tag, rows, g, c, diff, low, high, lost, gained, _mcnemar(lost, gained)))
     adjusted = holm([r[-1] for r in raw]) if raw else []
     return [QualitySlice(tag=tag, prompts=len(rows), golden_correct=sum(g), candidate_correct=sum(c), lost=lost,

@@ -8,7 +8,7 @@ with an expected answer: too few for a paired test to tell a 5-point loss from n
 set can be regenerated and reviewed: short free-text answers (arithmetic in English and Chinese,
 Python expressions, days, months, opposites, capitals) with short ``max_tokens``, and
 multiple-choice questions scored by log-likelihood (``choices`` + ``answer``), and a few sampled
-prompts (``samples`` at temperature 0.8). Lines it wrote before (ids ``quiz-*``, ``mc-*``,
+prompts (``samples`` at temperature 0.8), twelve of them short questions with an answer. Lines it wrote before (ids ``quiz-*``, ``mc-*``,
 ``sample-*``) are replaced; the hand-written ones are kept as they are.
 
     python scripts/make_demo_quiz.py            # rewrites regress/data/prompts/demo.jsonl
@@ -137,10 +137,21 @@ def multiple_choice(rng: random.Random) -> list[dict]:
 
 
 def sampled() -> list[dict]:
+    """Sampled prompts (production traffic is mostly sampled): open-ended ones, judged as
+    distributions by the fidelity verdict, and short questions with an answer, which the quality
+    verdict also judges as distributions (each side's share of right samples)."""
     topics = ["the sea", "a city at night", "autumn leaves", "a cup of coffee", "the first snow", "a train journey"]
-    return [{"id": f"sample-{i:03d}", "messages": [{"role": "user", "content": f"Write one short sentence about {t}."}],
+    rows = [{"id": f"sample-{i:03d}", "messages": [{"role": "user", "content": f"Write one short sentence about {t}."}],
              "samples": 4, "sampling": {"temperature": 0.8, "top_p": 0.95, "max_tokens": 24},
              "tags": ["chat", "sampled"]} for i, t in enumerate(topics)]
+    questions = [(f"What is the capital of {country}? Answer with the city only.", city)
+                 for country, city in CAPITALS[:8]]
+    questions += [(f"What is {a} + {b}? Answer with the number only.", str(a + b))
+                  for a, b in ((7, 5), (12, 9), (23, 14), (6, 8))]
+    rows += [{"id": f"sample-qa-{i:03d}", "messages": [{"role": "user", "content": q}], "expected": answer,
+              "samples": 4, "sampling": {"temperature": 0.8, "top_p": 0.95, "max_tokens": 10},
+              "tags": ["chat", "sampled", "quiz"]} for i, (q, answer) in enumerate(questions)]
+    return rows
 
 
 def main() -> None:

@@ -112,6 +112,31 @@ def test_a_slice_that_loses_its_answers_fails_while_the_average_stays_inside_the
     assert not any(s.worse for s in q.slices if s.tag != "zh")
 
 
+def test_sampled_prompts_count_their_share_of_right_samples() -> None:
+    """A sampled prompt is judged as a distribution: its score on each side is the share of its
+    samples that hold the answer, paired like any other prompt (scipy's paired t interval on the
+    mixed 0/1 and share scores), and it counts as lost or gained by the sign of its change."""
+    g, c = _pairs(300, lost=4, gained=4)
+    answers = _answers(g, c)
+    shares = [(0.75, 0.5), (1.0, 1.0), (0.5, 0.75), (0.25, 0.0), (0.5, 0.5), (1.0, 0.75)]
+    answers += [(f"s{i}", ["sampled"], x, y) for i, (x, y) in enumerate(shares)]
+    q = judge_quality(answers, T, sampled_ids={f"s{i}" for i in range(len(shares))})
+    gs, cs = [float(a[2]) for a in answers], [float(a[3]) for a in answers]
+    ci = stats.ttest_rel(cs, gs).confidence_interval(0.95)
+    assert q.low == pytest.approx(ci.low) and q.high == pytest.approx(ci.high)
+    assert q.difference == pytest.approx((sum(cs) - sum(gs)) / len(gs))
+    assert q.sampled == 6 and q.prompts == 306 and q.lost == 4 + 3 and q.gained == 4 + 1
+    assert q.golden_accuracy == pytest.approx(sum(gs) / 306) and "/306" in q.reasons[0]
+    # A sampled prompt that keeps its share is not a flip; a share that halves in every sample set is.
+    same = judge_quality([(f"s{i}", ["t"], 0.5, 0.5) for i in range(12)], T)
+    assert same.lost == same.gained == 0 and same.difference == 0
+    worse = judge_quality([(f"s{i}", ["t"], 1.0, 0.5) for i in range(12)], T)
+    assert worse.lost == 12 and worse.difference == pytest.approx(-0.5) and worse.verdict == "fail"
+    sl = worse.slices[0]
+    assert sl.golden_correct == 12 and sl.candidate_correct == 6 and sl.worse
+    assert sl.p_value == pytest.approx(stats.binomtest(12, 12, 0.5).pvalue)
+
+
 def test_slices_need_enough_prompts() -> None:
     g, c = _pairs(40, 2, 0)
     tags = [["tiny"] if i < 5 else ["big"] for i in range(40)]

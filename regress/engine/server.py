@@ -220,18 +220,29 @@ class EngineServer:
         }
         teacher_forcing_s = 0.0
         cut: list[dict[str, int] | None] | None = None
+        reused: list[bool] = []
         forced = request.teacher_force
         if forced is not None:
             # The golden's completion after the prompt the engine actually used (the golden's own
             # prompt ids unless the backend built the prompt itself).
             sequences = [((u if u is not None else pair[0]), pair[1]) if pair else ([], [])
                          for u, pair in zip(used, forced)]
+            # A prompt whose context and output are the golden's already holds its teacher-forced
+            # measures: the free run scored the golden's tokens after the golden's prompt (decode
+            # against decode, the fairer comparison). Only the rest are prefilled again.
+            reused = [bool(pair) and list(ids) == list(pair[0]) and list(o.output_token_ids) == list(pair[1])
+                      for ids, o, pair in zip(rendered, outputs, forced)]
+            todo = [i for i, same in enumerate(reused) if not same]
             progress = self._progress(index, "teacher_force")
+            if len(todo) < len(reused):
+                progress(len(reused) - len(todo))
             started = time.perf_counter()
-            with _naming(prompts, "teacher forcing"):
-                rows = self.backend.teacher_force(sequences, k, progress)
+            with _naming([prompts[i] for i in todo], "teacher forcing"):
+                scored = self.backend.teacher_force([sequences[i] for i in todo], k, progress) if todo else []
             teacher_forcing_s = time.perf_counter() - started
             progress.flush()
+            by_index = dict(zip(todo, scored))
+            rows = [by_index[i] if i in by_index else outputs[i].logprobs for i in range(len(prompts))]
             tf_tokens, tf_offsets = ragged([s[1][: len(r.token_logprobs)] for s, r in zip(sequences, rows)], np.int32)
             arrays.update(tf_tokens=tf_tokens, tf_offsets=tf_offsets, **_stack(rows, k, "tf_"))
             cut = _teacher_force_cut(sequences, rows)
@@ -250,6 +261,7 @@ class EngineServer:
             "sampling": [p["sampling"] for p in prompts],
             "top_k": k,
             "teacher_forced": forced is not None,
+            **({"teacher_force_reused": reused} if forced is not None else {}),
             **({"teacher_force_cut": cut} if cut is not None else {}),
             "generation_s": generation_s,
             "teacher_forcing_s": teacher_forcing_s,

@@ -185,19 +185,25 @@ class _Texts:
         self.golden, self.candidate = self._T(a), self._T(b)
 
 
-def _candidate_track(pair: Pair) -> tuple[Any, bool]:
-    """The logprobs of a candidate sample to judge it by: the golden model's (teacher-forced,
-    ``golden-scored``) when the replay made them, else the candidate's own; and which."""
+def candidate_track(pair: Pair) -> tuple[Any, bool]:
+    """The logprobs of a candidate sample to judge it by, and whether they are the golden model's:
+    its teacher-forced scores (``golden-scored``) when the replay made them; the golden's own free
+    run when the sample is the golden's (same prompt ids and tokens: the replay then skips
+    scoring it); else the candidate's own."""
     scored = pair.golden_scored
     if scored is not None and scored.teacher_forced is not None and \
             len(scored.teacher_forced.token_ids) == len(pair.candidate.output_token_ids):
         return scored.teacher_forced, True
+    g, c = pair.golden, pair.candidate
+    if np.array_equal(g.prompt_token_ids, c.prompt_token_ids) and np.array_equal(g.output_token_ids,
+                                                                                  c.output_token_ids):
+        return g.free_run, True
     return pair.candidate.free_run, False
 
 
 def group_values(group: list[Pair], similarity: Any) -> Values:
     """The distribution values of one sampled prompt from its samples' pairs (in sample order)."""
-    tracks = [_candidate_track(p) for p in group]
+    tracks = [candidate_track(p) for p in group]
     by_golden = all(found for _, found in tracks)
     cand_tracks = [t for t, _ in tracks] if by_golden else [p.candidate.free_run for p in group]
     golden_lp = [v for v in (_mean_logprob(p.golden.free_run) for p in group) if v is not None]

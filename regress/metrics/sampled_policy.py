@@ -127,7 +127,8 @@ def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: li
         row.update(answer_rate_golden=k_golden / n, answer_rate_candidate=k_cand / n,
                    answer_rate_diff=diff, answer_rate_diff_low=low, answer_rate_diff_high=high)
         answer = AnswerCheck(expected=list(expected), golden_correct=2 * k_golden >= n, candidate_correct=2 * k_cand >= n,
-                             golden_match=g_match, candidate_match=c_match)
+                             golden_match=g_match, candidate_match=c_match, golden_rate=k_golden / n,
+                             candidate_rate=k_cand / n)
         if high < 0 and klass not in ("input_drift", "regression"):
             # Drift, not a regression: with a handful of samples per prompt, one prompt in twenty
             # shows such a drop by chance at 95 %; the run's answers as a whole judge the model.

@@ -381,6 +381,11 @@ class RunManifest(_Record):
     """Engine arguments as passed to the backend."""
     teacher_forced: bool
     """Whether teacher-forced logprobs of the golden completion were captured."""
+    teacher_force_prefilled: list[str] | None = None
+    """The entries (prompt or sample ids) that teacher forcing prefilled again. Every other entry's
+    output and context were the golden's, so its free-running logprobs are its teacher-forced ones
+    (decode against decode). None: not teacher-forced, or a run made before entries were skipped
+    (every entry was prefilled)."""
     timings: Timings
     """Times and token counts."""
     memory: Memory

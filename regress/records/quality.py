@@ -22,19 +22,21 @@ class QualitySlice(_Record):
     tag: str
     prompts: int
     """Answered prompts with this tag."""
-    golden_correct: int
-    candidate_correct: int
+    golden_correct: float
+    candidate_correct: float
+    """Answers right on each side (a sampled prompt counts its share of right samples)."""
     lost: int
-    """Golden right, candidate wrong."""
+    """Prompts the candidate does worse on (golden right, candidate wrong; sampled: a lower share)."""
     gained: int
-    """Candidate right, golden wrong."""
+    """Prompts the candidate does better on."""
     difference: float
     """Candidate accuracy minus golden accuracy (-0.05: five points worse)."""
     low: float
     high: float
     """The paired interval of the difference, at the scoring's confidence."""
     p_value: float
-    """Exact McNemar (binomial) p-value of lost against gained, two-sided."""
+    """Exact sign test (binomial) of lost against gained, two-sided: exact McNemar when every prompt
+    is answered once."""
     p_adjusted: float
     """Holm-corrected over the slices tested."""
     worse: bool
@@ -54,6 +56,8 @@ class QualityVerdict(_Record):
     """Confidence of the intervals (``thresholds.confidence``)."""
     prompts: int
     """Answered prompts (free-text ``expected`` or ``choices``) compared."""
+    sampled: int = 0
+    """Of them, sampled prompts, each judged by its share of right samples on each side."""
     golden_accuracy: float | None
     candidate_accuracy: float | None
     lost: int = 0

@@ -34,6 +34,21 @@ class AnswerCheck(_Record):
     """The accepted answer found in the golden's output (the first one listed), if any."""
     candidate_match: str | None = None
     """The accepted answer found in the candidate's output (the first one listed), if any."""
+    golden_rate: float | None = None
+    candidate_rate: float | None = None
+    """Sampled prompts: the share of each side's samples that hold an accepted answer (the quality
+    verdict judges the prompt by these, as distributions; ``*_correct`` is the majority). None for
+    a prompt answered once."""
+
+    @property
+    def golden_score(self) -> float:
+        """What the quality verdict counts for the golden: its rate, or 1/0."""
+        return self.golden_rate if self.golden_rate is not None else float(self.golden_correct)
+
+    @property
+    def candidate_score(self) -> float:
+        """What the quality verdict counts for the candidate: its rate, or 1/0."""
+        return self.candidate_rate if self.candidate_rate is not None else float(self.candidate_correct)
 
     @property
     def flip(self) -> Literal["lost", "gained"] | None:

@@ -102,6 +102,15 @@ def effective_record(candidate: CandidateSpec, info: dict[str, Any], shard_metas
         return EffectiveConfig(**{k: v for k, v in engine_facts.items() if k not in bad}, **ours)
 
 
+def _prefilled(shard_metas: list[dict[str, Any]]) -> list[str] | None:
+    """The entries teacher forcing prefilled (not taken from their free run), in run order."""
+    if not any("teacher_force_reused" in m for m in shard_metas):
+        return None
+    return [pid for m in shard_metas
+            for pid, reused in zip(m["prompt_ids"], m.get("teacher_force_reused") or [False] * len(m["prompt_ids"]))
+            if not reused]
+
+
 def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: list[dict[str, Any]],
                    total_s: float) -> RunManifest:
     """The manifest of the complete run of ``plan``."""
@@ -136,6 +145,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         env_vars=_shown_env(engine_environment(plan.candidate)),
         engine_args=info.get("engine_args", {}),
         teacher_forced=plan.kind == "replay" and plan.teacher_forced,
+        teacher_force_prefilled=_prefilled(shard_metas),
         timings=Timings(
             engine_load_s=round(outcome.engine_load_s or float(info.get("engine_load_s", 0.0)), 3),
             generation_s=round(generation_s, 3),

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
 from regress.datasets import PromptSet
@@ -226,21 +227,35 @@ GOLDEN_SCORING = "golden-scores-samples"
 
 
 def plan_golden_scoring(baseline: CandidateSpec, prompt_set: PromptSet, run: RunResult, *,
-                        shard_size: int | None = None) -> ReplayPlan | None:
+                        golden: RunResult | None = None, shard_size: int | None = None) -> ReplayPlan | None:
     """The baseline scoring a candidate run's samples: every sample of a sampled prompt, fed to the
     baseline teacher-forced (prompt + the candidate's sample), so that the golden's model says how
     likely it finds what the candidate sampled. Generation is cut to one token (only the
-    teacher-forced logprobs are used). None when the prompt set has no sampled prompt.
+    teacher-forced logprobs are used). None when the prompt set has no sampled prompt, or when
+    every sample is the ``golden``'s own (same prompt ids, same tokens): the golden's free run
+    already holds its model's logprobs of those (:func:`regress.metrics.sampled.candidate_track`),
+    and the engine load is saved.
 
     The plan's "golden" is the candidate ``run``: its tokens are what is teacher-forced."""
     defaults = read_generation_defaults(baseline)
     entries = [e for e in plan_entries(prompt_set, baseline, defaults) if e.sampling.samples]
+    if golden is not None:
+        entries = [e for e in entries if not _same_sample(run, golden, e.id)]
     if not entries:
         return None
     entries = [Entry(e.id, e.prompt, e.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0}))
                for e in entries]
     return _plan(baseline, prompt_set, entries, golden=run, shard_size=shard_size or run.manifest.layout.shard_size,
                  teacher_force=True, purpose=GOLDEN_SCORING, defaults=defaults)
+
+
+def _same_sample(run: RunResult, golden: RunResult, entry_id: str) -> bool:
+    """Whether ``run``'s entry is the golden's: the same prompt ids and the same output tokens."""
+    if entry_id not in golden or entry_id not in run:
+        return False
+    mine, theirs = run[entry_id], golden[entry_id]
+    return (np.array_equal(mine.prompt_token_ids, theirs.prompt_token_ids)
+            and np.array_equal(mine.output_token_ids, theirs.output_token_ids))
 
 
 def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry], *, golden: RunResult | None,

@@ -56,7 +56,7 @@ def replay(
     if golden is not None and baseline is not None and candidate.name != baseline.name:
         from regress.runs import load_run
 
-        scoring = plan_golden_scoring(baseline, prompt_set, load_run(out_dir))
+        scoring = plan_golden_scoring(baseline, prompt_set, load_run(out_dir), golden=golden)
         if scoring is not None:
             progress.status(f"the baseline '{baseline.name}' scores the candidate's samples")
             execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress, force=force)

@@ -42,6 +42,8 @@ def fmt(value: Any, kind: str = "num") -> str:
         return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.4f}"
     if kind == "int":
         return f"{int(value):,}"
+    if kind == "count":  # a count that may be fractional (a sampled prompt counts its share of samples)
+        return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
     if kind == "ratio":
         return f"{value:.2f}×"
     if isinstance(value, int):

@@ -127,8 +127,8 @@ def quality_markdown(m: Any) -> list[str]:
     if q.slices:
         lines += ["", "| slice | prompts | golden | candidate | difference (points) | interval | Holm p |",
                   "|---|---:|---:|---:|---:|---|---:|"]
-        lines += [f"| {md_text(s.tag)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,} | "
-                  f"{s.candidate_correct:,} | {s.difference * 100:+.1f} | {s.low * 100:+.1f} to {s.high * 100:+.1f} | "
+        lines += [f"| {md_text(s.tag)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,g} | "
+                  f"{s.candidate_correct:,g} | {s.difference * 100:+.1f} | {s.low * 100:+.1f} to {s.high * 100:+.1f} | "
                   f"{s.p_adjusted:.2g} |" for s in q.slices]
     return lines
 
