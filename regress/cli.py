@@ -419,9 +419,12 @@ def report(
     params: Path = ParamsOption,
 ) -> None:
     """Render the report from stored scores and runs (no replay, no scoring): reports/index.html,
-    reports/<candidate>/{index.html,metrics.json,junit.xml,summary.md}, reports/candidates.json."""
+    reports/<candidate>/{index.html,metrics.json,junit.xml,summary.md}, reports/candidates.json.
+    Everything stored is shown again: the scores with their noise floor and detection power, a
+    candidate's diagnosis (scores/<candidate>/diagnosis.json, when of this run), the trend."""
     from regress.config import load_params
     from regress.datasets import load_prompt_set
+    from regress.diagnosis.record import load_diagnosis
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
     from regress.scoring import SCORES_FILE, read_scored_run
@@ -439,7 +442,9 @@ def report(
         golden_run = load_run(p.golden_dir())
         for name in names:
             scores = read_scored_run(scores_dir / name)
-            page = write_candidate_report(scores, golden_run, load_run(p.run_dir(name)), prompt_set, reports_dir / name)
+            run = load_run(p.run_dir(name))
+            page = write_candidate_report(scores, golden_run, run, prompt_set, reports_dir / name,
+                                          diagnosis=load_diagnosis(scores_dir / name, run.manifest.run_id))
             _out(f"report: {page}")
         _out(f"index: {refresh_index(reports_dir, scores_dir)}")
 

@@ -249,3 +249,39 @@ def test_cause_column_in_the_browser(browser_page: Page, case: Case, diagnosis: 
     assert pg.locator("img").count() == 0
     assert pg.locator("script").count() == 2
     assert [m for m in page.console if not m.startswith("log:")] == []
+
+
+def test_regress_report_re_renders_every_stored_result(tmp_path: Path) -> None:
+    """`regress report` (the DVC report stage) from stored scores gives the same files as the
+    scoring that wrote them with the diagnosis: the "Why it drifted" card and junit.xml's causes
+    are kept, not dropped."""
+    import shutil
+
+    import yaml
+
+    from conftest import run_cli
+    from regress.diagnosis.record import DIAGNOSIS_FILE
+    from regress.report import INDEX_FILE, METRICS_FILE
+
+    case = build_case(tmp_path, 24, tokens=16, shard_size=8, semantic=False)
+    diagnosis = build_diagnosis(case)
+    expected = tmp_path / "expected"
+    write_candidate_report(case.score, case.golden, case.run, case.prompt_set, expected, diagnosis=diagnosis)
+    (tmp_path / "runs").mkdir()
+    shutil.move(str(tmp_path / "run"), str(tmp_path / "runs" / "candidate"))
+    scores = tmp_path / "scores" / "candidate"
+    scores.mkdir(parents=True)
+    for name in ("scores.json", "metrics.json"):
+        shutil.move(str(tmp_path / "scores" / name), str(scores / name))
+    atomic_write_text(scores / DIAGNOSIS_FILE, diagnosis.model_dump_json(indent=1))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "dataset": "prompts.jsonl", "baseline": {"package": "current", "model": "m"},
+        "candidates": {"candidate": {"dtype": "float16"}}}, sort_keys=False), encoding="utf-8")
+
+    result = run_cli("report", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "reports" / "candidate"
+    for name in (JUNIT_FILE, SUMMARY_FILE, METRICS_FILE, INDEX_FILE):
+        assert (out / name).read_text(encoding="utf-8") == (expected / name).read_text(encoding="utf-8"), name
+    page, junit = (out / INDEX_FILE).read_text(encoding="utf-8"), (out / JUNIT_FILE).read_text(encoding="utf-8")
+    assert "Why it drifted" in page and "why it drifted: kernels and precision" in junit
