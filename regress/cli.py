@@ -454,7 +454,7 @@ def gate(
     candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to gate on (default: every scored one)."),
     params: Path = ParamsOption,
     fail: bool = typer.Option(True, "--fail/--no-fail", help="Exit 1 when a candidate failed (--no-fail: only print)."),
-    annotate: bool = typer.Option(False, "--annotate", help="Also print each regression in reports/<candidate>/junit.xml as a GitHub Actions error annotation."),
+    annotate: bool = typer.Option(False, "--annotate", help="Also print GitHub Actions error annotations from reports/<candidate>/junit.xml: a few per candidate (failed verdicts, then gating prompts, each at its prompt's file and line), and a count of the rest."),
 ) -> None:
     """Print every scored candidate's verdicts and exit 1 if any failed the one that gates it (for CI after `dvc repro`).
 
@@ -489,7 +489,7 @@ def gate(
         if annotate and junit.is_file():
             from regress.report.annotations import junit_annotations
 
-            for line in junit_annotations(junit):
+            for line in junit_annotations(junit, project=p.root):
                 workflow_command(line)
     _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
     if failed and fail:

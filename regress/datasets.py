@@ -39,6 +39,8 @@ class PromptSet:
     card: DatasetCard
     prompts: list[PromptRecord]
     card_path: Path | None = None
+    lines: dict[str, int] = field(default_factory=dict, compare=False)
+    """Each prompt's line in the file (from 1), for messages and CI annotations that point at it."""
     _by_id: dict[str, PromptRecord] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -165,7 +167,7 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
     digest.update(b"\0card\0" + card_raw)
     prompt_set = PromptSet(
         name=path.stem, path=path, sha256=digest.hexdigest(), card=card, prompts=prompts,
-        card_path=card_file if card_raw else None,
+        card_path=card_file if card_raw else None, lines=first_line_of,
     )
     return prompt_set, []
 

@@ -24,6 +24,35 @@ def test_usage_errors_exit_2_without_traceback(args, tmp_path):
     assert "Traceback" not in result.stderr and "Error" in result.stderr
 
 
+def test_annotations_are_few_titled_by_class_and_point_at_the_prompt(tmp_path, monkeypatch):
+    """At most a few annotations per candidate (GitHub shows about ten a step): the failed verdict
+    first, then gating prompts titled with their class at their prompt's file and line, then one
+    line counting the rest."""
+    from regress.report.annotations import ANNOTATIONS_PER_CANDIDATE
+
+    cases = ['<testcase classname="regress.c" name="fidelity"><failure type="fidelity" message="fidelity fail: 9 regressions"/></testcase>',
+             '<testcase classname="regress.c" name="quality"><skipped message="reported, not gating"/></testcase>']
+    for i in range(8):
+        kind = "input_drift" if i == 0 else "regression"
+        cases.append(f'<testcase classname="regress.c" name="p{i}" file="datasets/prompts/set.jsonl" line="{i + 3}">'
+                     f'<failure type="{kind}" message="m{i}"/></testcase>')
+    cases.append('<testcase classname="regress.c" name="lost" line="2"><skipped message="expected answer lost, not gating"/></testcase>')
+    junit = tmp_path / "junit.xml"
+    junit.write_text(f'<testsuites><testsuite name="s">{"".join(cases)}</testsuite></testsuites>')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GITHUB_WORKSPACE", raising=False)
+    lines = junit_annotations(junit, project=tmp_path)
+    assert len(lines) == ANNOTATIONS_PER_CANDIDATE + 1
+    assert lines[0] == "::error title=fidelity FAIL%3A regress.c::fidelity fail: 9 regressions"
+    assert lines[1] == "::error file=datasets/prompts/set.jsonl,line=3,title=input drift%3A regress.c / p0::m0"
+    assert lines[2] == "::error file=datasets/prompts/set.jsonl,line=4,title=regression%3A regress.c / p1::m1"
+    assert lines[-1].startswith("::error title=regress.c%3A 4 more::4 more failure(s) not annotated")
+    # A project inside the checkout: the file is named from the checkout's root, as GitHub wants it.
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(tmp_path.parent))
+    assert f"file={tmp_path.name}/datasets/prompts/set.jsonl,line=3," in junit_annotations(junit, project=tmp_path)[1]
+    assert junit_annotations(junit, limit=20, project=tmp_path)[-1].endswith("::m7")
+
+
 def test_missing_params_file_is_a_clear_input_error(tmp_path):
     result = run_cli("golden", cwd=tmp_path)
     assert result.returncode == 2 and "params.yaml: no such file" in result.stderr

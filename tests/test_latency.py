@@ -299,7 +299,7 @@ def test_junit_latency_case_only_when_gating(timed: tuple[Case, dict]) -> None:
     suite = gated.find("testsuite")
     case_el = suite.find("testcase[@name='latency']")
     assert case_el is not None and case_el.find("failure").get("type") == "latency"
-    assert int(suite.get("tests")) == PROMPTS + 1
+    assert int(suite.get("tests")) == PROMPTS + 2  # the prompts, the fidelity verdict and the latency case
     failures = sum(1 for c in suite.iter("testcase") if c.find("failure") is not None)
     assert int(suite.get("failures")) == failures
 

@@ -149,7 +149,7 @@ def test_gate_exits_1_on_a_failing_candidate_and_annotates_it(pipeline):
                           cwd=pipeline, capture_output=True, text=True)
     assert gate.returncode == 1, gate.stderr
     assert "FAIL  w4a16" in gate.stdout and "PASS  next" in gate.stdout
-    assert "::error title=regression%3A regress.w4a16 / quality" in gate.stdout
+    assert "::error title=quality FAIL%3A regress.w4a16::" in gate.stdout
 
 
 def test_threshold_change_reruns_only_scoring_and_report(pipeline):

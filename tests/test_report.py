@@ -243,16 +243,23 @@ def test_junit_has_a_case_per_prompt_and_a_failure_per_regression(case: Case, wr
     suites = root.findall("testsuite")
     assert len(suites) == 1
     cases = suites[0].findall("testcase")
-    assert len(cases) == case.score.metrics.prompts
-    failed = [c.get("name") for c in cases if c.find("failure") is not None]
+    # The run-level fidelity verdict (it gates this candidate and failed), then one case per prompt.
+    assert [c.get("name") for c in cases[:1]] == ["fidelity"] and len(cases) == case.score.metrics.prompts + 1
+    assert cases[0].find("failure").get("type") == "fidelity"
+    prompts = cases[1:]
+    failed = [c.get("name") for c in prompts if c.find("failure") is not None]
     assert sorted(failed) == sorted(case.ids_of("regression"))
-    assert all(c.find("failure").get("type") == "regression" for c in cases if c.find("failure") is not None)
-    skipped = [c.get("name") for c in cases if c.find("skipped") is not None]
+    assert all(c.find("failure").get("type") == "regression" for c in prompts if c.find("failure") is not None)
+    skipped = [c.get("name") for c in prompts if c.find("skipped") is not None]
     assert sorted(skipped) == sorted(case.ids_of("input_drift"))
-    assert suites[0].get("failures") == str(case.score.metrics.regression)
-    assert suites[0].get("tests") == str(case.score.metrics.prompts)
+    assert suites[0].get("failures") == str(case.score.metrics.regression + 1)
+    assert suites[0].get("tests") == str(case.score.metrics.prompts + 1)
     props = {p.get("name"): p.get("value") for p in suites[0].find("properties")}
-    assert props["verdict"] == "fail"
+    assert props["verdict"] == "fail" and props["gating_failed"] == "true"
+    # Each prompt's case points at its line of the prompt set, for CI views and annotations.
+    lines = {c.get("name"): int(c.get("line")) for c in prompts}
+    assert {c.get("file") for c in prompts} == {str(case.prompt_set.path)}
+    assert lines == case.prompt_set.lines and sorted(lines.values()) == list(range(1, len(prompts) + 1))
 
 
 def test_junit_survives_hostile_ids(case: Case) -> None:
@@ -261,7 +268,7 @@ def test_junit_survives_hostile_ids(case: Case) -> None:
     scores = [PromptScore(prompt_id=bad, tags=[bad], prompt_class="regression", reasons=[bad], metrics=s.metrics)]
     text = junit_xml(case.score.model_copy(update={"scores": scores}))
     root = ET.fromstring(text.encode())
-    tc = root.find("testsuite/testcase")
+    tc = root.findall("testsuite/testcase")[1]  # after the run-level fidelity case
     assert tc.get("name") == xml_text(bad) and "\ufffd<&>" in tc.get("name")
     assert tc.find("failure").get("message") == xml_text(bad)
 

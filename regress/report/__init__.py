@@ -62,7 +62,7 @@ def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, 
     page = out / INDEX_FILE
     # A comment after the content: invisible in the page, the rendered summary and junit readers.
     trailer = f"\n{_TRAILER_START}{scoring_id(score)} -->\n"
-    atomic_write_text(out / JUNIT_FILE, junit_xml(score, diagnosis=diagnosis).rstrip("\n") + trailer)
+    atomic_write_text(out / JUNIT_FILE, junit_xml(score, diagnosis=diagnosis, prompt_set=prompt_set).rstrip("\n") + trailer)
     atomic_write_text(out / SUMMARY_FILE,
                       summary_markdown(score, report_link, diagnosis=diagnosis).rstrip("\n") + "\n" + trailer)
     atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link,

@@ -1,11 +1,17 @@
-"""``junit.xml``: one test case per prompt, a failure per regression, for CI test views.
+"""``junit.xml``: what gates a candidate, as failures; everything else it found, as skips and output.
 
-input_drift prompts fail (``type="input_drift"``: they fail the run) unless the candidate
-accepts input drift (``allow_input_drift: true``), then they are ``skipped`` (not comparable
-token by token); drift and benign prompts
-pass, with their class and reasons in ``system-out``. A prompt that lost its expected answer
-(golden correct, candidate not) fails too, like a regression: ``type="answer_lost"`` (or
-``regression`` when it is one as well), the lost answer as the message.
+A CI test view counts failures: they are exactly what stops the rollout, so a green view and exit 0
+agree, and so do a red view and exit 1.
+
+- ``fidelity`` and ``quality`` cases carry the two run-level verdicts. The one the candidate's
+  ``gate`` names fails when its verdict does; the other is ``skipped`` when it did not pass
+  ("reported, not gating").
+- A prompt fails only when it is what the failed fidelity verdict counted: a regression (with a
+  noise floor: a severe one, ``RunMetrics.severe_regression_ids``), or an input drift the candidate
+  does not accept. A regression or a lost answer the verdict does not gate on is ``skipped``, with
+  the reason; drift and benign prompts pass with their class and reasons in ``system-out``.
+- Each prompt's case names its line in the prompt set (``file`` and ``line`` attributes, which
+  GitHub annotations and most CI views use to link to it).
 
 Latency (``RunMetrics.latency``) goes into the suite's properties; a failed latency verdict is a
 ``latency`` test case of its own (``type="latency"``) only when it gates (``thresholds.gate_latency``).
@@ -76,10 +82,50 @@ def _quality_properties(props: ET.Element, m: Any) -> None:
             ET.SubElement(props, "property", name=key, value=xml_text(f"{value:.6g}" if isinstance(value, float) else str(value)))
 
 
-def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
+def gating_prompts(score: ScoredRun) -> set[str]:
+    """The prompts the failed fidelity verdict stands on (each a failure in junit.xml): with a noise
+    floor its severe regressions, else every regression; and input drifts the candidate does not
+    accept. Empty when fidelity does not gate or passed."""
+    m = score.metrics
+    if m.gate not in ("fidelity", "both") or m.verdict != "fail":
+        return set()
+    accepted = score.run.candidate.allow_input_drift
+    counted = set(m.severe_regression_ids) if m.severe_regressions is not None else \
+        {s.prompt_id for s in score.scores if s.prompt_class == "regression"}
+    return counted | {s.prompt_id for s in score.scores if s.prompt_class == "input_drift" and not accepted}
+
+
+def _not_gating(s: PromptScore, gate: str) -> str | None:
+    """Why a prompt's finding is shown but does not gate (its ``skipped`` message), or None."""
+    if s.prompt_class == "input_drift":
+        return (s.reasons[0] if s.reasons else "input drift") + (
+            "" if gate == "quality" else " (accepted: allow_input_drift)")
+    if s.prompt_class == "regression":
+        return f"regression, not gating: {s.reasons[0] if s.reasons else 'regression'}"
+    if _answer_lost(s):
+        return f"expected answer lost, not gating (the quality verdict judges answers as a whole): {_answer_line(s)[0]}"
+    return None
+
+
+def _verdict_case(suite: ET.Element, name: str, which: str, verdict: str, gates: bool, reasons: list[str]) -> bool:
+    """A run-level verdict's test case; True when it is a failure."""
+    case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=which, time="0")
+    head = f"{which} {verdict}: {reasons[0] if reasons else verdict}"
+    if verdict == "pass":
+        ET.SubElement(case, "system-out").text = xml_text("\n".join(f"- {r}" for r in reasons))
+        return False
+    if not gates:
+        ET.SubElement(case, "skipped", message=xml_text(f"reported, not gating: {head}"))
+        return False
+    failure = ET.SubElement(case, "failure", message=xml_text(head), type=which)
+    failure.text = xml_text("\n".join(f"- {r}" for r in reasons))
+    return True
+
+
+def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None, prompt_set: Any = None) -> str:
     """The JUnit XML document for one candidate. With a ``diagnosis`` of this run (``regress
     diagnose``), a diagnosed prompt's causes and why end its failure message, and its details
-    say them with the mitigation."""
+    say them with the mitigation. With the ``prompt_set``, each prompt's case names its file and line."""
     from regress.report.payload import diagnosis_of
 
     diagnosis = diagnosis_of(score, diagnosis)
@@ -87,24 +133,51 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
     m = score.metrics
     shown = shown_metrics()
     name = f"regress.{m.candidate}"
-    accepted = score.run.candidate.allow_input_drift
+    gating = gating_prompts(score)
+    lines = getattr(prompt_set, "lines", None) or {}
+    source = str(prompt_set.path) if prompt_set is not None else None
 
     fidelity_gates = m.gate in ("fidelity", "both")
     quality_gates = m.gate in ("quality", "both")
-
-    def fails(s: PromptScore) -> bool:
-        # A candidate gated on quality alone is judged on its answers as a whole (the "quality" case):
-        # a prompt's drift, or one answer lost among others gained, is no failure of it.
-        if not fidelity_gates:
-            return s.prompt_class == "input_drift" and not accepted
-        return s.prompt_class == "regression" or _answer_lost(s) or (s.prompt_class == "input_drift" and not accepted)
-
-    failures = sum(1 for s in score.scores if fails(s))
-    skipped = sum(1 for s in score.scores if s.prompt_class == "input_drift" and not fails(s))
     latency_fails = m.latency_verdict == "fail" and m.latency_gates
-    quality_fails = quality_gates and (m.quality is None or m.quality.verdict != "pass")
-    tests = m.prompts + (1 if latency_fails else 0) + (1 if quality_gates else 0)
-    failures += (1 if latency_fails else 0) + (1 if quality_fails else 0)
+    has_quality = quality_gates or m.quality is not None
+    cases = ET.Element("cases")  # filled first, counted, then put in the suite
+    failures = int(_verdict_case(cases, name, "fidelity", m.verdict, fidelity_gates, list(score.verdict_reasons)))
+    if has_quality:
+        q = m.quality
+        reasons = q.reasons if q is not None else ["no prompt with a checkable answer: quality cannot be judged"]
+        failures += int(_verdict_case(cases, name, "quality", q.verdict if q is not None else "inconclusive",
+                                      quality_gates, reasons))
+    if latency_fails:
+        case = ET.SubElement(cases, "testcase", classname=xml_text(name), name="latency", time="0")
+        message = m.latency_reasons[0] if m.latency_reasons else "latency"
+        failure = ET.SubElement(case, "failure", message=xml_text(message), type="latency")
+        failure.text = xml_text("\n".join(f"- {r}" for r in m.latency_reasons))
+        failures += 1
+    for s in score.scores:
+        where = {"file": xml_text(source), "line": str(lines[s.prompt_id])} if source and s.prompt_id in lines else {}
+        case = ET.SubElement(cases, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0", **where)
+        dx = diagnosed.get(s.prompt_id)
+        why = _why(dx)
+        detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
+                            *([why, f"mitigation: {dx.mitigation}"] if dx is not None else []),
+                            f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics, shown)])
+        if s.prompt_id in gating:
+            kind = s.prompt_class if s.prompt_class in ("regression", "input_drift") else "regression"
+            message = s.reasons[0] if s.reasons else kind
+            if why:
+                message = f"{message}; {why}"
+            failure = ET.SubElement(case, "failure", message=xml_text(message), type=kind)
+            failure.text = xml_text(detail)
+            failures += 1
+            continue
+        skip = _not_gating(s, m.gate)
+        if skip is not None:
+            ET.SubElement(case, "skipped", message=xml_text(skip + (f"; {why}" if why else "")))
+        if s.prompt_class != "identical" or skip is not None:
+            ET.SubElement(case, "system-out").text = xml_text(detail)
+    tests = len(cases)
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
     suites = ET.Element("testsuites", name="regress", tests=str(tests), failures=str(failures),
                         errors="0", skipped=str(skipped))
     suite = ET.SubElement(suites, "testsuite", name=xml_text(name), tests=str(tests),
@@ -113,7 +186,8 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
     props = ET.SubElement(suite, "properties")
     for key, value in (("verdict", m.verdict), ("candidate", m.candidate), ("baseline", score.golden.candidate.name),
                        ("golden_run", score.golden.run_id), ("candidate_run", score.run.run_id),
-                       ("verdict_reasons", "; ".join(score.verdict_reasons))):
+                       ("verdict_reasons", "; ".join(score.verdict_reasons)),
+                       ("gating_failed", "true" if m.gating_failed else "false")):
         ET.SubElement(props, "property", name=key, value=xml_text(value))
     if m.answer_prompts:
         for key, value in (("answer_prompts", m.answer_prompts), ("golden_answers_correct", m.golden_answers_correct),
@@ -122,39 +196,7 @@ def junit_xml(score: ScoredRun, *, diagnosis: "Diagnosis | None" = None) -> str:
             ET.SubElement(props, "property", name=key, value=str(value))
     _quality_properties(props, m)
     _latency_properties(props, m)
-    if quality_gates:
-        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name="quality", time="0")
-        reasons = m.quality.reasons if m.quality is not None else ["no prompt with a checkable answer: quality cannot be judged"]
-        if quality_fails:
-            verdict = m.quality.verdict if m.quality is not None else "inconclusive"
-            failure = ET.SubElement(case, "failure", message=xml_text(f"quality {verdict}: {reasons[0]}"), type="quality")
-            failure.text = xml_text("\n".join(f"- {r}" for r in reasons))
-        else:
-            ET.SubElement(case, "system-out").text = xml_text("\n".join(f"- {r}" for r in reasons))
-    if latency_fails:
-        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name="latency", time="0")
-        message = m.latency_reasons[0] if m.latency_reasons else "latency"
-        failure = ET.SubElement(case, "failure", message=xml_text(message), type="latency")
-        failure.text = xml_text("\n".join(f"- {r}" for r in m.latency_reasons))
-    for s in score.scores:
-        case = ET.SubElement(suite, "testcase", classname=xml_text(name), name=xml_text(s.prompt_id), time="0")
-        dx = diagnosed.get(s.prompt_id)
-        why = _why(dx)
-        detail = "\n".join([f"class: {s.prompt_class}", *[f"- {r}" for r in s.reasons], *_answer_line(s),
-                            *([why, f"mitigation: {dx.mitigation}"] if dx is not None else []),
-                            f"tags: {', '.join(s.tags)}", _metrics_line(s.metrics, shown)])
-        if fails(s):
-            kind = s.prompt_class if s.prompt_class in ("regression", "input_drift") else "answer_lost"
-            message = s.reasons[0] if s.reasons else kind
-            if why:
-                message = f"{message}; {why}"
-            failure = ET.SubElement(case, "failure", message=xml_text(message), type=kind)
-            failure.text = xml_text(detail)
-        elif s.prompt_class == "input_drift":
-            ET.SubElement(case, "skipped", message=xml_text(s.reasons[0] if s.reasons else "input drift"))
-        elif s.prompt_class != "identical":
-            out = ET.SubElement(case, "system-out")
-            out.text = xml_text(detail)
+    suite.extend(list(cases))
     ET.indent(suites, space=" ")
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suites, encoding="unicode") + "\n"
 
