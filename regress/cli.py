@@ -15,10 +15,10 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from regress import cli_help
 from regress.cli_guard import writing_project
 from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
-from regress.cli_output import (out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run,
-                                workflow_command)
+from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION
 from regress.progress import print_error, stderr_console
 
@@ -38,6 +38,27 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+cli_help.install()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            shown = version("regress")
+        except PackageNotFoundError:  # run from a checkout that is not installed
+            shown = "unknown (not installed)"
+        _out(f"regress {shown}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                      help="Print regress's version and exit."),
+) -> None:
+    """Catch output regressions from LLM inference upgrades before rollout."""
 
 
 # --------------------------------------------------------------------------------------
@@ -53,22 +74,24 @@ GoldenScoringOption = typer.Option(
 
 @app.command()
 def validate(
-    paths: list[Path] = typer.Argument(..., help="Prompt set files (.jsonl); a card <name>.yaml beside each is checked too."),
+    paths: list[Path] = typer.Argument(..., help="Prompt sets (.jsonl, with the card <name>.yaml beside each) or params files (params.yaml)."),
 ) -> None:
-    """Check prompt sets without running anything: every problem with file, line and field."""
-    from regress.datasets import check_prompt_set
+    """Check prompt sets and params files without running anything: every problem with file, line and field.
+
+    A params file is loaded whole, then its prompt set is planned for the baseline and each candidate, so what a run would refuse (samples at a candidate's temperature 0, choices that would be sampled) is said now. Exit 2 when anything is wrong."""
+    from regress.preflight import check_path
 
     failed = False
     for path in paths:
-        prompt_set, problems = check_prompt_set(path)
-        if problems:
+        checked = check_path(path)
+        for problem in checked.problems:
+            print_error(problem)
+        for note in checked.notes:
+            stderr_console.print(f"note: {escape(note)}")
+        if checked.problems:
             failed = True
-            for problem in problems:
-                print_error(str(problem))
-        else:
-            assert prompt_set is not None
-            chats = sum(1 for p in prompt_set.prompts if p.messages is not None)
-            _out(f"{path}: ok, {len(prompt_set)} prompts ({chats} chat), sha256 {prompt_set.sha256[:12]}")
+        elif checked.summary:
+            _out(checked.summary)
     if failed:
         raise typer.Exit(EXIT_INPUT)
 
@@ -414,89 +437,6 @@ def diagnose(
 
 
 @app.command()
-def report(
-    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to render (default: every scored one)."),
-    params: Path = ParamsOption,
-) -> None:
-    """Render the report from stored scores and runs (no replay, no scoring): reports/index.html,
-    reports/<candidate>/{index.html,metrics.json,junit.xml,summary.md}, reports/candidates.json.
-    Everything stored is shown again: the scores with their noise floor and detection power, a
-    candidate's diagnosis (scores/<candidate>/diagnosis.json, when of this run), the trend."""
-    from regress.config import load_params
-    from regress.datasets import load_prompt_set
-    from regress.diagnosis.record import load_diagnosis
-    from regress.report import refresh_index, write_candidate_report
-    from regress.runs import load_run
-    from regress.scoring import SCORES_FILE, read_scored_run
-    from regress.validation import check_candidate_name
-    from regress.watchdog import phase
-
-    # Names become paths under scores/ and reports/: checked before anything is read or written.
-    for name in candidates or []:
-        check_candidate_name(name)
-    p = load_params(params)
-    scores_dir, reports_dir = p.scores_dir(), p.reports_dir()
-    names = candidates or sorted(d.parent.name for d in scores_dir.glob(f"*/{SCORES_FILE}"))
-    prompt_set = load_prompt_set(p.dataset) if p.dataset.exists() else None
-    with writing_project(p), phase("report"):
-        golden_run = load_run(p.golden_dir())
-        for name in names:
-            scores = read_scored_run(scores_dir / name)
-            run = load_run(p.run_dir(name))
-            page = write_candidate_report(scores, golden_run, run, prompt_set, reports_dir / name,
-                                          diagnosis=load_diagnosis(scores_dir / name, run.manifest.run_id))
-            _out(f"report: {page}")
-        _out(f"index: {refresh_index(reports_dir, scores_dir)}")
-
-
-@app.command()
-def gate(
-    candidates: Optional[list[str]] = typer.Argument(None, help="Candidates to gate on (default: every scored one)."),
-    params: Path = ParamsOption,
-    fail: bool = typer.Option(True, "--fail/--no-fail", help="Exit 1 when a candidate failed (--no-fail: only print)."),
-    annotate: bool = typer.Option(False, "--annotate", help="Also print GitHub Actions error annotations from reports/<candidate>/junit.xml: a few per candidate (failed verdicts, then gating prompts, each at its prompt's file and line), and a count of the rest."),
-) -> None:
-    """Print every scored candidate's verdicts and exit 1 if any failed the one that gates it (for CI after `dvc repro`).
-
-    Each line: PASS or FAIL as the candidate's gate decides (`gate:` on the candidate: fidelity for engine releases and serving settings, quality for changes made on purpose), then both verdicts: fidelity (outputs against the baseline's noise) and quality (answers, paired, against a margin)."""
-    from regress.config import load_params
-    from regress.errors import StorageError
-    from regress.records import RunMetrics
-    from regress.scoring import METRICS_FILE
-
-    p = load_params(params)
-    names = candidates or sorted(d.parent.name for d in p.scores_dir().glob(f"*/{METRICS_FILE}"))
-    if not names:
-        raise StorageError(f"{p.scores_dir()}: no scored candidates (run `dvc repro` or `regress score`)")
-    failed = []
-    for name in names:
-        path = p.scores_dir() / name / METRICS_FILE
-        try:
-            m = RunMetrics.model_validate_json(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise StorageError(f"{path}: cannot read the candidate's metrics ({exc})") from exc
-        if m.gating_failed:
-            failed.append(name)
-        latency = ""
-        if m.latency_verdict == "fail":
-            latency = f"; latency FAIL ({'gating' if m.latency_gates else 'reported, not gating'})"
-        shown = "FAIL" if m.gating_failed else "PASS"
-        quality = (f"quality {m.quality_verdict.upper()} ({m.quality.difference * 100:+.1f} points)"
-                   if m.quality is not None and m.quality.difference is not None else "quality —")
-        _out(f"{shown:4}  {name:24} gate {m.gate:<8} fidelity {m.verdict.upper()}, {quality}; {m.regression} "
-             f"regression, {m.drift} drift, {m.benign} benign, {m.identical} identical of {m.prompts}{latency}")
-        junit = p.reports_dir() / name / "junit.xml"
-        if annotate and junit.is_file():
-            from regress.report.annotations import junit_annotations
-
-            for line in junit_annotations(junit, project=p.root):
-                workflow_command(line)
-    _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
-    if failed and fail:
-        raise typer.Exit(EXIT_REGRESSION)
-
-
-@app.command()
 def worker(
     queue: Optional[list[str]] = typer.Option(None, "--queue", "-Q", help="Queue(s) to take shards from (repeatable; default: params' celery.queue). One queue per GPU kind or candidate environment routes work."),
     broker: Optional[str] = typer.Option(None, "--broker", help="Redis URL (default: $REGRESS_BROKER_URL, then params' celery.broker_url). rediss:// for TLS."),
@@ -558,6 +498,9 @@ register_watch(app)
 from regress.bisect.cli import register as register_bisect  # noqa: E402  (adds `regress bisect`)
 
 register_bisect(app)
+from regress.cli_results import register as register_results  # noqa: E402  (adds `regress report`, `regress gate`)
+
+register_results(app)
 from regress.power.cli import register as register_power  # noqa: E402  (adds `regress power`)
 
 register_power(app)

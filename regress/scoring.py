@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -285,6 +286,33 @@ def scoring_id(scored: ScoredRun) -> str:
     return hashlib.sha256(identity.encode("utf-8")).hexdigest()[:16]
 
 
+DVC_METRICS_FILE = "dvc-metrics.json"
+"""The numbers a person compares across experiments (``dvc metrics show``/``diff``): a dozen, not
+metrics.json's every field (strings, id lists and constants included)."""
+
+
+def dvc_metrics(m: RunMetrics) -> dict[str, Any]:
+    """The headline numbers of one candidate's scoring, for DVC (:data:`DVC_METRICS_FILE`)."""
+    q = m.quality
+    shown: dict[str, Any] = {
+        "gating_failed": m.gating_failed,
+        "fidelity_pass": m.verdict == "pass",
+        "quality_pass": None if q is None else q.verdict == "pass",
+        "prompts": m.prompts,
+        "identical": m.identical,
+        "regression": m.regression,
+        "drift": m.drift,
+        "exact_match_rate": m.exact_match_rate,
+        "mean_teacher_forced_kl": m.mean_teacher_forced_kl,
+        "accuracy_golden": None if q is None else q.golden_accuracy,
+        "accuracy_candidate": None if q is None else q.candidate_accuracy,
+        "accuracy_difference": None if q is None else q.difference,
+        "accuracy_difference_low": None if q is None else q.low,
+        "tokens_per_s_ratio": m.tokens_per_s_ratio,
+    }
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in shown.items() if v is not None}
+
+
 def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, Path]:
     """Write ``scores.json`` (everything) and ``metrics.json`` (aggregates, DVC metrics).
 
@@ -295,6 +323,7 @@ def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, P
     out_dir = Path(out_dir)
     scores_path, metrics_path = out_dir / SCORES_FILE, out_dir / METRICS_FILE
     atomic_write_text(scores_path, scored.model_dump_json(indent=1))
+    atomic_write_text(out_dir / DVC_METRICS_FILE, json.dumps(dvc_metrics(scored.metrics), indent=2) + "\n")
     atomic_write_text(metrics_path, scored.metrics.model_dump_json(indent=2))
     return scores_path, metrics_path
 

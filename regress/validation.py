@@ -165,6 +165,11 @@ def describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> tup
     given = error.get("input")
     if kind == "extra_forbidden":
         allowed = _allowed_fields(model, loc[:-1]) if model else []
+        from regress.engine_args import did_you_mean
+
+        close = did_you_mean(str(loc[-1]), allowed) if allowed and loc else None
+        if close is not None:  # a typo: the one name meant, not the whole list
+            return path, f"unknown field: did you mean '{close}'?"
         hint = f"; allowed: {', '.join(allowed)}" if allowed else ""
         return path, f"unknown field{hint}"
     if kind == "missing":

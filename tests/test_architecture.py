@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "errors": 0, "storage": 0, "records": 0, "home": 0, "redact": 0, "validation": 0, "plugins": 0,
     "progress": 0, "stats": 0, "metrics.spec": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
     "engine.vocabulary": 0, "report.annotations": 0, "quantize_entry": 0, "untrusted": 0,
-    "project_lock": 0, "watchdog": 0, "power.record": 0,
+    "project_lock": 0, "watchdog": 0, "power.record": 0, "engine_args": 0,
     # The packages whose modules have no common layer (their __init__ imports nothing): a new
     # module in them is at 0 until it is placed.
     "diagnosis": 0, "noise": 0, "power": 0,
@@ -45,9 +45,9 @@ LAYERS: dict[str, int] = {
     "metrics.semantic": 3, "metrics.embedder": 3, "metrics.sampled": 3, "metrics.sampled_policy": 3,
     "metrics.aggregate": 3, "scoring": 3, "noise.floor": 3, "noise.beyond": 3, "diagnosis.probes": 3, "diagnosis.attribute": 3,
     # L4 orchestration
-    "checks": 4, "noise.arms": 4, "power.ladder": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
+    "checks": 4, "preflight": 4, "noise.arms": 4, "power.ladder": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands
-    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
+    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "cli_help": 5, "cli_results": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
     "power.cli": 5,
 }
 

@@ -137,7 +137,11 @@ def test_metrics_and_plots(pipeline, tmp_path):
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
     files = next(iter(data.values()))["data"]
-    assert {"scores/next/metrics.json", "scores/w4a16/metrics.json"} <= set(files)
+    assert {"scores/next/dvc-metrics.json", "scores/w4a16/dvc-metrics.json"} <= set(files)
+    # A dozen numbers a person compares, not metrics.json's every field (strings and id lists).
+    shown_w4 = files["scores/w4a16/dvc-metrics.json"]["data"]
+    assert 8 <= len(shown_w4) <= 16 and shown_w4["gating_failed"] is True and shown_w4["quality_pass"] is False
+    assert all(isinstance(v, (int, float, bool)) for v in shown_w4.values())
     plots = dvc("plots", "show", "-o", str(tmp_path / "plots"), cwd=pipeline)
     assert plots.returncode == 0, plots.stderr
     html = (tmp_path / "plots" / "index.html").read_text()
@@ -166,8 +170,8 @@ def test_threshold_change_reruns_only_scoring_and_report(pipeline):
     reasons = json.loads((pipeline / "scores/w4a16/scores.json").read_text())["verdict_reasons"]
     assert reasons[0].startswith("the run as a whole is beyond the baseline's noise")
     assert not any("regressed severely" in r for r in reasons)
-    diff = dvc("metrics", "diff", "--json", cwd=pipeline)
-    assert diff.returncode == 0 and "scores/w4a16/metrics.json" in diff.stdout
+    diff = dvc("metrics", "diff", "--all", "--json", cwd=pipeline)
+    assert diff.returncode == 0 and "scores/w4a16/dvc-metrics.json" in diff.stdout
 
 
 def test_new_candidate_does_not_rerun_the_golden(pipeline):

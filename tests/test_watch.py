@@ -599,7 +599,7 @@ def test_bad_watch_settings_name_the_file_line_and_field(tmp_path, index):
     line = params.read_text().splitlines().index("  interval_s: 0") + 1
     assert (caught.value.field, caught.value.line, caught.value.file) == ("watch.interval_s", line, str(params.resolve()))
 
-    with pytest.raises(ConfigError, match="unknown field; allowed: packages"):
+    with pytest.raises(ConfigError, match="unknown field: did you mean .packages.?"):
         load_watch_config(write_params(tmp_path, {"pakages": ["vllm"]}))
     with pytest.raises(ConfigError, match="--since"):
         load_watch_config(write_params(tmp_path, {}), {"since": "not-a-version"})

@@ -46,7 +46,7 @@ def bisect(
     index_url: Optional[str] = typer.Option(None, "--index-url", help="Package index (simple API root; default: "
                                             "REGRESS_INDEX_URL, else params' watch.index_url, else pip's own). "
                                             "Visible in ps: put credentials in REGRESS_INDEX_URL(_FILE)."),
-    pre: bool = typer.Option(False, "--pre", help="Include pre-releases between the two versions."),
+    pre: bool = typer.Option(False, "--include-prereleases", "--pre", help="Include pre-releases between the two versions (as `regress watch --include-prereleases`)."),
     layered: bool = typer.Option(True, "--layered/--no-layered", help="A package other than the engine goes in a "
                                  "thin environment over the engine's cached one (seconds per version, not minutes)."),
     restart: bool = typer.Option(False, "--restart", help="Forget the saved checks of this bisect and start over."),
@@ -84,7 +84,7 @@ def bisect(
         if rng.skipped_yanked:
             stderr_console.print(f"left out (yanked): {', '.join(rng.skipped_yanked)}")
         if rng.skipped_prereleases:
-            stderr_console.print(f"left out (pre-releases; --pre includes them): {', '.join(rng.skipped_prereleases)}")
+            stderr_console.print(f"left out (pre-releases; --include-prereleases includes them): {', '.join(rng.skipped_prereleases)}")
         stderr_console.print(f"bisecting {rng.package}: {len(rng.versions)} release(s) after {rng.good} up to "
                              f"{rng.bad} ({', '.join(rng.versions)}), checked as candidate '{template.name}'")
 

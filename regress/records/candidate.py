@@ -161,6 +161,17 @@ class CandidateSpec(_Strict):
             raise ValueError(f"'server' settings apply only to backend 'server', not {self.backend!r}")
         return self
 
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_spelt_right(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("backend", "vllm") == "vllm":
+            from regress.engine_args import misspelt_engine_arg
+
+            problem = misspelt_engine_arg(value)
+            if problem:
+                raise ValueError(problem)
+        return value
+
     @field_validator("name")
     @classmethod
     def _name_is_a_path_segment(cls, value: str) -> str:

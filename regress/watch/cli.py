@@ -83,7 +83,7 @@ def watch(
     trigger: Optional[str] = typer.Option(None, "--trigger", "-t", help="How checks start: local, celery or github (default: watch.trigger, else local)."),
     state: Optional[str] = typer.Option(None, "--state", help="State file path or redis:// URL (default: REGRESS_WATCH_STATE_URL, else watch.state, else $REGRESS_HOME/watch/state.json). Visible in ps: put a password in REGRESS_WATCH_STATE_URL(_FILE)."),
     webhook: Optional[str] = typer.Option(None, "--webhook", help="URL that gets a JSON POST on a regression (default: REGRESS_WEBHOOK_URL, else watch.webhook). Visible in ps: prefer REGRESS_WEBHOOK_URL(_FILE)."),
-    include_prereleases: Optional[bool] = typer.Option(None, "--include-prereleases", help="Check pre-releases too.", show_default=False),
+    include_prereleases: Optional[bool] = typer.Option(None, "--include-prereleases", "--pre", help="Check pre-releases too (`--pre` for short, as pip says it).", show_default=False),
     include_yanked: Optional[bool] = typer.Option(None, "--include-yanked", help="Check yanked releases too.", show_default=False),
     check_existing: bool = typer.Option(False, "--check-existing", help="First watch of a package: check every release already there (default: record them as seen)."),
     since: Optional[str] = typer.Option(None, "--since", help="First watch of a package: check the releases newer than this version."),
