@@ -1,4 +1,4 @@
-"""``regress report`` and ``regress gate``: commands that read stored results (no engine, no scoring).
+"""``regress report`` and ``regress gate``: commands that read stored results (no engine, no scoring)."""
 
 from __future__ import annotations
 
