@@ -19,7 +19,7 @@ from regress import cli_help
 from regress.cli_guard import writing_project
 from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
 from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
-from regress.errors import EXIT_INPUT, EXIT_REGRESSION
+from regress.errors import EXIT_INPUT, EXIT_REGRESSION, ConfigError
 from regress.progress import print_error, stderr_console
 
 app = typer.Typer(
@@ -70,6 +70,35 @@ GoldenScoringOption = typer.Option(
     True, "--golden-scoring/--no-golden-scoring",
     help="Sampled prompts: let the baseline score the candidate's samples (one more engine load), so both sides' "
          "samples are judged by the golden's model; without it the candidate's own logprobs stand in.")
+
+
+@app.command()
+def init(
+    directory: Path = typer.Argument(Path("."), help="Where to write the project (created if missing)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Your model's directory (a Hugging Face checkpoint); with --url, the served model's name (default: asked of the server)."),
+    url: Optional[str] = typer.Option(None, "--url", help="Check a running vLLM server instead (http://host:8000): HTTP requests only, no engine environment."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="With --url: the tokenizer's directory, when the served name is not a local directory."),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="With --url: the environment variable holding the server's API key (only its name is written)."),
+    candidate_url: Optional[str] = typer.Option(None, "--candidate-url", help="With --url: a second server to check against the first (default: the same server, checked again later)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite files that exist."),
+) -> None:
+    """Write a working minimal project for your model or your running server: params.yaml (a baseline and one candidate), a starter prompt set, dvc.yaml and the regression workflow; then `dvc repro` runs in it."""
+    from regress.scaffold import dvc_init, model_scaffold, server_scaffold, write_scaffold
+
+    if model is None and url is None:
+        raise ConfigError("pass --model DIR (your model's directory) or --url URL (a running server)", field="--model")
+    directory.mkdir(parents=True, exist_ok=True)
+    if url is not None:
+        scaffold = server_scaffold(directory, url, model=model, tokenizer=tokenizer, api_key_env=api_key_env,
+                                   candidate_url=candidate_url)
+    else:
+        scaffold = model_scaffold(directory, Path(model))
+    for path in write_scaffold(directory, scaffold, force=force):
+        _out(f"wrote {path}")
+    said = dvc_init(directory)
+    if said:
+        _out(said)
+    _out("next, in " + str(directory) + ":\n" + "\n".join(f"  {step}" for step in scaffold.next_steps))
 
 
 @app.command()

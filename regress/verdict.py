@@ -473,13 +473,15 @@ class NoiseJudgement:
 
 def severe(values: Mapping[str, Any], t: Any) -> bool:
     """A regression that gates on its own beside the run-level test: a NaN or infinite measure, a
-    rule that finds a regression (vLLM's top-k check: a token the other side did not even rank is
-    categorical, not a matter of degree, and no noise arm measured makes one), or :func:`severity`
+    categorical rule that finds a regression (vLLM's top-k check: a token the other side did not even
+    rank is a category, not a matter of degree, and no noise arm measured makes one; a sampled
+    prompt's distribution rule is of degree, and gates through the sampled prompts' run-level
+    test), or :func:`severity`
     at least ``severe_regression`` (far past a bound). Damage on a few prompts, which a test over
     the whole run cannot see, is of these kinds."""
     if nonfinite(values) or severity(values, t) >= t.severe_regression:
         return True
-    return any(isinstance(step, Rule) and step.check(values, t)[0] for step in gates())
+    return any(isinstance(step, Rule) and step.categorical and step.check(values, t)[0] for step in gates())
 
 
 def _basis_notes(noise: "NoiseJudgement | None", regressions: int, t: Any) -> list[str]:

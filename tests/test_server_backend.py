@@ -518,3 +518,33 @@ def test_concurrency_is_a_noise_arm_of_a_server_baseline(tmp_path: Path, fixture
     latency = json.loads((tmp_path / "scores" / "offline" / "metrics.json").read_text())["latency"]
     assert latency["golden"]["requests"] == 40 and latency["candidate"]["requests"] == 0  # offline: throughput only
     assert latency["candidate"]["throughput_tokens_per_s"] > 0
+
+
+@pytest.mark.engine
+def test_check_your_running_server_as_the_readme_says(served: str, fixture_model: Path, tmp_path: Path) -> None:
+    """The README's steps against a real vLLM server: `regress init --url` (the served model's name
+    asked of the server), `regress golden`, `regress check served-again`: `package: current`, only
+    HTTP requests, and no engine environment is built."""
+    from regress.envs.spec import envs_root
+
+    def envs() -> set[str]:
+        return {p.name for p in envs_root().iterdir()} if envs_root().is_dir() else set()
+
+    before = envs()
+    project = tmp_path / "served"
+    key = {KEY_VARIABLE: KEY_VALUE}
+    init = run_cli("init", str(project), "--url", served, "--api-key-env", KEY_VARIABLE, "--tokenizer",
+                   str(fixture_model), env=key)
+    assert init.returncode == 0, init.stderr
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["baseline"]["package"] == "current" and params["baseline"]["backend"] == "server"
+    assert params["baseline"]["model"] == str(fixture_model)  # what the server says it serves
+    golden = run_cli("golden", cwd=project, env=key)
+    assert golden.returncode == 0, golden.stderr
+    check = run_cli("check", "served-again", cwd=project, env=key)
+    assert check.returncode == 0, check.stderr  # the same server, the same outputs
+    metrics = json.loads((project / "scores" / "served-again" / "metrics.json").read_text())
+    assert metrics["verdict"] == "pass" and metrics["prompts"] == 13
+    assert (project / "reports" / "served-again" / "index.html").is_file()
+    assert envs() == before
+    _no_key_in(project / "runs" / "served-again")

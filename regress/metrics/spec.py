@@ -158,6 +158,11 @@ class Rule:
     doc: str
     check: Callable[[Mapping[str, Any], Any], Findings]
     settings: tuple[Setting, ...] = field(default_factory=tuple)
+    categorical: bool = False
+    """A regression this rule finds is a category, not a degree (vLLM's top-k check: a token the other
+    side did not even rank): it gates on its own beside the run-level test (:func:`regress.verdict.severe`).
+    A rule of degree (a sampled prompt's distribution, judged from a handful of samples) gates through
+    its run-level test instead."""
 
 
 def headline(specs: list[Output]) -> list[Output]:

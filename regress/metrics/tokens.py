@@ -76,7 +76,7 @@ def topk_agreement(values: Mapping[str, Any], t: Any) -> tuple[list[str], list[s
         Output("candidate_token_in_golden_topk", "the candidate's token is in the golden's top-k there (vLLM's check)"),
     ],
     rules=[Rule("topk_agreement", "each side's token is in the other's top-k at the first divergence",
-                topk_agreement, (REQUIRE_TOPK_AGREEMENT,))],
+                topk_agreement, (REQUIRE_TOPK_AGREEMENT,), categorical=True)],
 )
 def divergence_point() -> "callable":
     """At the first divergence both sides saw the same context, so this is where the two models
