@@ -79,7 +79,7 @@ def _env_spec(key: str):
 # The suite's tiers, by what a test starts, read from the fixtures it uses (directly or through
 # other fixtures): a test that starts one of these things without such a fixture carries the
 # marker itself. Every other test is marked `fast` (no engine, no server, no worker, no
-# environment build, no real model): `./scripts/test -m fast`. README.md, "Tests", lists them.
+# environment build, no real model): `./scripts/test -m fast`. docs/testing.md lists them.
 STARTS: dict[str, frozenset[str]] = {
     # vLLM (or the HF reference) engine processes, or results only they make.
     "engine": frozenset({"golden_dir", "same_run", "alone_arm", "verdict_workspace", "lab", "warm_engines",

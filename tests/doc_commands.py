@@ -132,3 +132,13 @@ def run_workflow_command(cwd: Path, package: str, version: str, *, env: dict[str
     return subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]], cwd=cwd,
                           env=command_env({**(env or {}), "REQUIREMENT": outputs.get("requirement", "")}),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def readme_section_commands(heading: str) -> list[str]:
+    """The commands of the first ``bash`` block under README.md's ``## <heading>``, as a user copies
+    them: one per line, the trailing ``# comment`` dropped."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    block = _fenced_blocks(text[start:end if end != -1 else None], "bash")[0]
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]

@@ -113,20 +113,39 @@ def test_init_asks_the_server_which_model_it_serves(tmp_path: Path) -> None:
     assert params["candidates"] == {"served-again": {}}
 
 
+def test_the_readme_reaches_check_your_own_model_early() -> None:
+    from doc_commands import README, readme_section_commands
+
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250
+    assert "## Check your own model" in lines[:80]
+    assert readme_section_commands("Check your own model") == [
+        "regress init --model path/to/your-model", "dvc repro", "regress gate"]
+    assert readme_section_commands("Check your running server")[0].startswith("regress init --url ")
+
+
 @pytest.mark.engine
 def test_check_your_own_model_as_the_readme_says(fixture_model: Path, tmp_path: Path) -> None:
-    """The README's steps: `regress init --model DIR`, `dvc repro`, `regress gate`."""
-    project = tmp_path / "mine"
-    assert run_cli("init", str(project), "--model", str(fixture_model)).returncode == 0
+    """The README's "Check your own model" commands, run as written (the fixture model for
+    `path/to/your-model`) in an empty directory, the virtual environment's tools on PATH."""
+    import shlex
     import subprocess
 
-    repro = subprocess.run([str(Path(sys.executable).parent / "dvc"), "repro"], cwd=project, capture_output=True,
-                           text=True, env={**os.environ, **_venv_path()}, timeout=1500)
+    from doc_commands import readme_section_commands
+
+    project = tmp_path / "mine"
+    project.mkdir()
+    env = {**os.environ, **_venv_path()}
+    results = []
+    for command in readme_section_commands("Check your own model"):
+        argv = [str(fixture_model) if word == "path/to/your-model" else word for word in shlex.split(command)]
+        results.append(subprocess.run(argv, cwd=project, capture_output=True, text=True, env=env, timeout=1500))
+    init, repro, gate = results
+    assert init.returncode == 0, init.stderr
     assert repro.returncode == 0, repro.stdout[-3000:] + repro.stderr[-3000:]
     for name in ("golden/manifest.json", "golden/noise.json", "runs/prefix-cache-off/manifest.json",
                  "scores/prefix-cache-off/metrics.json", "reports/index.html", "reports/prefix-cache-off/junit.xml"):
         assert (project / name).is_file(), name
-    gate = run_cli("gate", cwd=project)
     assert gate.returncode in (0, 1), gate.stderr
     assert "prefix-cache-off" in gate.stdout and "gate fidelity" in gate.stdout
     metrics = json.loads((project / "scores/prefix-cache-off/metrics.json").read_text())
