@@ -1,4 +1,4 @@
-"""The page's headline: verdict, counts, aggregate measures, performance, worst prompts.
+"""The page's headline: verdict, counts, aggregate measures, performance, worst prompts, noise floor.
 
 Plain values for the templates (HTML and Markdown alike); formatting of numbers lives here so
 every output says the same thing the same way.
@@ -22,6 +22,9 @@ CLASS_HELP = {
     "benign": "diverged at a near-tie, stayed close (numerical noise)",
     "identical": "exactly the golden's tokens",
 }
+SEVERITY_HELP = ("how far past its regression thresholds the prompt is: 1 = at a threshold, more = past it "
+                 "(the worst of its measures), 0 = the golden's output")
+DIVERGENCE_HELP = "the position of the first output token that differs from the golden's (the first divergence; 0 = the first token)"
 WORST_SHOWN = 8
 """Prompts listed under 'worst prompts' at the top of the page."""
 SAME_WITHIN = 0.05
@@ -103,6 +106,56 @@ class Answers:
     gained: int
     lost_ids: list[str]
     gained_ids: list[str]
+
+
+@dataclass(frozen=True)
+class NoiseBound:
+    """A run-level threshold a noise floor can move: as configured and as scoring applied it."""
+
+    name: str
+    in_force: str
+    configured: str
+    widened: bool
+
+
+@dataclass(frozen=True)
+class NoiseMeasure:
+    """One row of the noise-floor table: a measure, its floor, the run-level bounds it moves."""
+
+    name: str
+    label: str
+    floor: str
+    bounds: list[NoiseBound]
+    """Empty: no run-level bound follows the measure (the page shows its floor for reference)."""
+
+
+def noise_measures(m: RunMetrics) -> list[NoiseMeasure]:
+    """The noise floor as a table: per measure of the floor, in the metrics' order, the bounds its
+    spec names (benign, regression) that scoring applied at run level; bounds no measure names
+    come last under their own name. Empty without a noise floor."""
+    nf = m.noise_floor
+    if nf is None:
+        return []
+
+    def bound(name: str) -> NoiseBound:
+        return NoiseBound(name, fmt(nf.bounds[name]), fmt(nf.configured.get(name)),
+                          nf.configured.get(name) is not None and nf.bounds[name] != nf.configured[name])
+
+    specs = {s.name: s for s in output_specs()}
+    order = list(specs)
+    rows, placed = [], set()
+    for name in sorted(nf.floor, key=lambda n: order.index(n) if n in specs else len(order)):
+        spec = specs.get(name)
+        names = [b.setting.name for b in ((spec.benign, spec.regression) if spec else ()) if b is not None]
+        names = [n for n in names if n in nf.bounds and n not in placed]
+        placed.update(names)
+        rows.append(NoiseMeasure(name, spec.shown_label if spec else name, fmt(nf.floor[name]),
+                                 [bound(n) for n in names]))
+    rows.sort(key=lambda r: not r.bounds)  # the measures that move a bound first
+    rest = [n for n in nf.bounds if n not in placed]
+    if rest:
+        rows.append(NoiseMeasure("", "other bounds", "—", [bound(n) for n in rest]))
+    return rows
 
 
 def answers(m: RunMetrics) -> Answers | None:

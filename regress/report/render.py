@@ -87,6 +87,9 @@ def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt
         "created": _stamp(score.created_at),
         "counts": overview.counts(m),
         "measures": overview.measures(m),
+        "noise_measures": overview.noise_measures(m),
+        "severity_help": overview.SEVERITY_HELP,
+        "divergence_help": overview.DIVERGENCE_HELP,
         "rates": overview.rates(m),
         # What stopped the run, in the verdict's own words (the first failure reason: a count, a
         # rate at its interval's lower bound, lost answers, a sampled shift).

@@ -135,7 +135,8 @@
   ].concat(D.key.map(function (name) {
     return { key: "m:" + name, label: spec(name).label, num: true, title: name + ": " + (D.descriptions[name] || "") };
   })).concat(DX ? [{ key: "dx", label: "why it drifted", title: "the source of its drift, as regress diagnose found it (hover for why and mitigation; open the prompt for its probes); empty: not diagnosed" }] : [])
-    .concat([{ key: "tags", label: "tags", fixed: true }, { key: "why", label: "reasons", fixed: true }]);
+    .concat([{ key: "tags", label: "tags", fixed: true },
+      { key: "why", label: "reasons", fixed: true, title: "why the prompt is in its class: the first reason, (+n) for n more (hover the cell or open the prompt for all)" }]);
 
   function renderHead() {
     var head = document.getElementById("prompt-head");
@@ -158,7 +159,7 @@
     if (c.key === "k") return add(el("td"), badge(p.k));
     if (c.key === "v") return el("td", "num", fmt("severity", p.v));
     if (c.key === "tags") return titled(el("td", "tags", p.t.map(function (t) { return D.tags[t]; }).join(", ")));
-    if (c.key === "why") return titled(el("td", "why", p.why.length ? p.why[0] + (p.why.length > 1 ? " (+" + (p.why.length - 1) + ")" : "") : ""));
+    if (c.key === "why") return whyCell(p);
     if (c.key === "dx") return causeCell(p);
     var name = c.key.slice(2);
     return el("td", "num", fmt(name, val(p, name)));
@@ -178,6 +179,18 @@
   }
 
   function titled(td) { td.title = td.textContent; return td; }
+
+  // the first reason, and "(+n)" for the n more; the tooltip lists them all, one a line
+  function whyCell(p) {
+    var td = add(el("td", "why"), el("span", "first-reason", p.why.length ? p.why[0] : ""));
+    if (p.why.length > 1) {
+      var more = el("span", "more-reasons", " (+" + (p.why.length - 1) + ")");
+      more.title = (p.why.length - 1) + " more reason" + (p.why.length > 2 ? "s" : "");
+      td.appendChild(more);
+    }
+    td.title = p.why.join("\n");
+    return td;
+  }
 
   function renderRows() {
     var body = document.getElementById("prompt-rows");
