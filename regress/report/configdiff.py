@@ -1,10 +1,13 @@
-"""The configuration of the baseline and the candidate, side by side, and what differs."""
+"""The configuration of the baseline and the candidate, side by side, and what differs (packages too)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from regress.records import RunManifest
 from regress.records.manifest import SERVER_DEFAULT_FIELDS
@@ -208,9 +211,10 @@ def applied_input_defaults_drift(p: "Params", baseline: str, candidate: str) -> 
     return None if ma is None or mb is None else input_defaults_drift(ma, mb)
 
 
-def _run_manifest(p: "Params", name: str) -> RunManifest | None:
-    """The manifest of a candidate's run that records its effective configuration: the golden
-    for the candidate that made it, runs/<name> for the others."""
+def _run_manifest(p: "Params", name: str, recorded: Callable[[RunManifest], bool] = lambda m: m.effective is not None
+                  ) -> RunManifest | None:
+    """The manifest of a candidate's run that records what ``recorded`` asks (by default its
+    effective configuration): the golden for the candidate that made it, runs/<name> for the others."""
     from regress.errors import RegressError
     from regress.runs import read_manifest
 
@@ -219,6 +223,64 @@ def _run_manifest(p: "Params", name: str) -> RunManifest | None:
             m = read_manifest(where)
         except (RegressError, OSError, ValueError):
             continue
-        if m.candidate.name == name and m.effective is not None:
+        if m.candidate.name == name and recorded(m):
             return m
     return None
+
+
+@dataclass(frozen=True)
+class PackageChange:
+    """A distribution whose version differs between two runs' engine environments."""
+
+    name: str
+    baseline: str | None
+    """None: not installed on that side."""
+    candidate: str | None
+
+    def row(self) -> dict[str, str | None]:
+        return {"package": self.name, "baseline": self.baseline, "candidate": self.candidate}
+
+    def shown(self) -> str:
+        return f"{self.name} {self.baseline or '(not installed)'} -> {self.candidate or '(not installed)'}"
+
+
+def _engine_names(m: RunManifest) -> set[str]:
+    """The engine distribution of a run: its candidate's package and what was installed as it."""
+    names = set()
+    for spec in (m.candidate.package, m.versions.engine_package):
+        try:
+            names.add(canonicalize_name(Requirement(spec or "").name))
+        except InvalidRequirement:  # "current", a path, or not recorded
+            continue
+    return names
+
+
+def package_differences(baseline: RunManifest, candidate: RunManifest) -> list[PackageChange] | None:
+    """The distributions whose versions differ between the two runs' engine environments, by
+    name, the engine package itself left out (the difference asked for); None unless both
+    manifests record their packages."""
+    a, b = baseline.packages, candidate.packages
+    if a is None or b is None:
+        return None
+    a = {canonicalize_name(k): v for k, v in a.items()}
+    b = {canonicalize_name(k): v for k, v in b.items()}
+    engine = _engine_names(baseline) | _engine_names(candidate)
+    return [PackageChange(name, a.get(name), b.get(name)) for name in sorted(a.keys() | b.keys())
+            if name not in engine and a.get(name) != b.get(name)]
+
+
+def applied_package_differences(p: "Params", baseline: str, candidate: str) -> list[PackageChange] | None:
+    """:func:`package_differences` between two candidates' runs (the golden for the candidate
+    that made it, runs/<name> for the others); None unless both have run and record their packages."""
+    def recorded(m: RunManifest) -> bool:
+        return m.packages is not None
+
+    ma, mb = _run_manifest(p, baseline, recorded), _run_manifest(p, candidate, recorded)
+    return None if ma is None or mb is None else package_differences(ma, mb)
+
+
+def shown_package_differences(changes: list[PackageChange]) -> str:
+    """``packages: transformers 5.17.0 -> 5.19.0, tokenizers 0.22.1 -> 0.22.2`` (the same: said so)."""
+    if not changes:
+        return "packages: the same in both engine environments, beyond the engine package"
+    return "packages: " + ", ".join(c.shown() for c in changes)
