@@ -276,6 +276,41 @@ def run_check(
     return CheckResult(manifest, ScoredCandidate(scoring.report, scoring.scores_dir, page, diagnosis))
 
 
+TRY_DIR = "try"
+"""Where quick tries on part of the prompt set go (``try/<candidate>/``): never runs/, scores/ or reports/."""
+
+
+def try_check(params: Params, spec: CandidateSpec, *, tags: list[str] | None, limit: int | None,
+              executor: "Executor | None" = None, progress: "ProgressSink | None" = None, force: bool = False,
+              golden_scoring: bool = True) -> CheckResult:
+    """A quick try (``regress check --tags T --limit N``): ``spec`` replayed on the chosen prompts
+    against the golden, scored and reported as a check is, all under ``try/<candidate>/`` (run,
+    scores, report). Nothing of the pipeline's is touched and no history line is written, so a try
+    is never taken for the candidate's result. Its batches are not the golden's (fewer prompts
+    per shard): batch-variant drift can show where the full check sees none."""
+    from regress.datasets import load_prompt_set
+    from regress.effective import generation_defaults
+    from regress.errors import ConfigError
+    from regress.replay import replay
+    from regress.runs import load_run
+
+    ready_to_run(params, spec, executor)
+    full = load_prompt_set(params.dataset)
+    chosen = full.subset(tags, limit)
+    if not chosen.prompts:
+        raise ConfigError(f"--tags {','.join(tags or [])} --limit {limit} choose no prompt of {full.path}", field="--limit")
+    golden_run = load_run(params.golden_dir())
+    root = params.root / TRY_DIR / spec.name
+    manifest = replay(spec, chosen, root / "run", golden=golden_run, executor=executor, progress=progress, force=force,
+                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None,
+                      generation_defaults=generation_defaults(spec))
+    scoring = _score(params, spec, golden_dir=None, run_dir=root / "run", out=root / "scores", golden=golden_run,
+                     prompt_set=full)
+    _write_scores(params, spec, scoring, recorded=False, source="try", release=None)
+    page = _write_report(params, spec, scoring, out=root / "report", diagnosis=None)
+    return CheckResult(manifest, ScoredCandidate(scoring.report, scoring.scores_dir, page))
+
+
 def diagnosis_dir(params: Params, name: str) -> Path:
     """Where a candidate's probe runs go (``diagnosis/<candidate>/``, beside runs/)."""
     return params.root / "diagnosis" / name

@@ -348,18 +348,32 @@ def check(
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
     golden_scoring: bool = GoldenScoringOption,
+    tags: Optional[list[str]] = typer.Option(None, "--tags", help="A quick try: only the prompts with this tag (repeatable), into try/<candidate>/."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="A quick try: only the first N prompts (after --tags), into try/<candidate>/."),
 ) -> None:
-    """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run."""
-    from regress.checks import executor_for, run_check
+    """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run.
+
+    With --tags or --limit, a quick try on part of the prompt set: run, scores and report go to try/<candidate>/, nothing of runs/, scores/, reports/ or the history changes."""
+    from regress.checks import TRY_DIR, executor_for, run_check, try_check
     from regress.config import load_params
     from regress.progress import RichProgress
 
     p = load_params(params)
     spec = p.candidate(candidate)
+    trying = bool(tags) or limit is not None
     with writing_project(p), RichProgress(f"replay '{spec.name}'") as progress:
-        result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
-                           progress=progress, force=force, golden_scoring=golden_scoring)
-    summarise_run(result.manifest, p.run_dir(spec.name))
+        if trying:
+            if golden_dir is not None:
+                raise ConfigError("--golden applies to full checks; a try uses params' golden", field="--golden")
+            result = try_check(p, spec, tags=tags, limit=limit, executor=executor_for(p, executor, queue),
+                               progress=progress, force=force, golden_scoring=golden_scoring)
+        else:
+            result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
+                               progress=progress, force=force, golden_scoring=golden_scoring)
+    summarise_run(result.manifest, p.root / TRY_DIR / spec.name / "run" if trying else p.run_dir(spec.name))
+    if trying:
+        _out(f"a quick try on {result.scored.report.metrics.prompts} prompt(s), not the candidate's result: its batches "
+             "are not the golden's, so batch-variant drift can show; `regress check` without --tags/--limit for that")
     print_scores(result.scored.report)
     if result.scored.diagnosis is not None:
         print_diagnosis(result.scored.diagnosis)
@@ -379,12 +393,14 @@ def diff_command(
     drift (input, input defaults, scheduling and batching, kernels and precision, sampling, model,
     engine), read from params.yaml and the model and tokenizer files: no engine starts. When both
     have run (the golden, runs/<name>), also what differs in the configuration as their engines
-    applied it (the manifests' effective configuration)."""
+    applied it (the manifests' effective configuration) and in the packages their environments
+    held besides the engine package."""
     import json as _json
 
     from regress.config import load_params
     from regress.effective import MITIGATION, WHY, differences, template_lines
-    from regress.report.configdiff import applied_differences, applied_input_defaults_drift
+    from regress.report.configdiff import (applied_differences, applied_input_defaults_drift, applied_package_differences,
+                                           shown_package_differences)
 
     p = load_params(params)
     a, b = p.candidate(baseline), p.candidate(candidate)
@@ -392,12 +408,14 @@ def diff_command(
     where = template_lines(a, b)
     applied = applied_differences(p, a.name, b.name)
     drift = applied_input_defaults_drift(p, a.name, b.name)
+    packages = applied_package_differences(p, a.name, b.name)
     if as_json:
         _out(_json.dumps({"baseline": a.name, "candidate": b.name, "differences": [d.row() for d in found],
                           "chat_template_first_difference": list(where) if where else None,
                           "input_defaults_drift": drift,
                           "applied_differences": None if applied is None else [
-                              {"setting": s.name, "baseline": s.baseline, "candidate": s.candidate} for s in applied]},
+                              {"setting": s.name, "baseline": s.baseline, "candidate": s.candidate} for s in applied],
+                          "package_differences": None if packages is None else [c.row() for c in packages]},
                          indent=2))
         return
     if not found:
@@ -417,6 +435,8 @@ def diff_command(
             _out(f"  {s.name}: {s.baseline} -> {s.candidate}")
     if drift:  # the server filled what the requests left unset, and not as the golden's did
         _out(f"\n{drift}")
+    if packages is not None:  # both have run: what their environments resolved besides the engine
+        _out(f"\n{shown_package_differences(packages)}")
 
 
 @app.command()

@@ -7,6 +7,8 @@ dataset-level sampling defaults. Every problem is reported with file, line and f
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -52,6 +54,21 @@ class PromptSet:
     def get(self, prompt_id: str) -> PromptRecord:
         """The prompt with this id."""
         return self._by_id[prompt_id]
+
+    def subset(self, tags: list[str] | None = None, limit: int | None = None) -> "PromptSet":
+        """The prompts with any of ``tags`` (all when None), the first ``limit`` of them: the same
+        version of the set (its sha256 stays, each prompt is the golden's), fewer prompts. An
+        unknown tag is an error naming the tags there are."""
+        from regress.errors import ConfigError
+
+        wanted = set(tags or [])
+        known = {tag for p in self.prompts for tag in p.tags}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ConfigError(f"no prompt of {self.path} has the tag '{unknown[0]}' (its tags: "
+                              f"{', '.join(sorted(known)) or 'none'})", field="--tags")
+        chosen = [p for p in self.prompts if not wanted or wanted & set(p.tags)]
+        return dataclasses.replace(self, prompts=chosen[:limit] if limit is not None else chosen, _by_id={})
 
     def ref(self) -> DatasetRef:
         """What a manifest records about this prompt set."""

@@ -102,3 +102,23 @@ def test_hf_reference_runs_and_loads_through_the_same_reader(workspace, golden_d
                 r.output_token_ids[same] == g.output_token_ids[same]:
             same += 1
         assert np.abs(r.teacher_forced.token_logprobs[:same] - r.free_run.token_logprobs[:same]).max(initial=0) < 0.05
+
+
+def test_a_quick_try_on_some_prompts_touches_nothing_of_the_pipeline(workspace, golden_dir, same_run):
+    """`regress check same --tags chinese --limit 3`: three Chinese prompts replayed against the
+    golden, scored and reported under try/same/; runs/, scores/, reports/ and the history unchanged."""
+    before = {p: p.stat().st_mtime_ns for d in ("runs", "scores", "reports") if (workspace / d).exists()
+              for p in (workspace / d).rglob("*") if p.is_file()}
+    result = run_cli("check", "same", "--tags", "chinese", "--limit", "3", cwd=workspace)
+    assert result.returncode == 0, result.stderr
+    assert "a quick try on 3 prompt(s), not the candidate's result" in result.stdout
+    run = load_run(workspace / "try" / "same" / "run")
+    assert len(run) == 3 and all(pid in load_run(golden_dir) for pid in run.prompt_ids)
+    assert all(pid.startswith(("zh-", "chat-")) for pid in run.prompt_ids)
+    assert (workspace / "try" / "same" / "scores" / "metrics.json").is_file()
+    assert (workspace / "try" / "same" / "report" / "index.html").is_file()
+    after = {p: p.stat().st_mtime_ns for d in ("runs", "scores", "reports") if (workspace / d).exists()
+             for p in (workspace / d).rglob("*") if p.is_file()}
+    assert after == before
+    unknown = run_cli("check", "same", "--tags", "klingon", cwd=workspace)
+    assert unknown.returncode == 2 and "has the tag 'klingon'" in unknown.stderr and "chinese" in unknown.stderr
