@@ -60,6 +60,7 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
         f"  {shown}\n"
         f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
         f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
+        + (f"\n  {m.speed_note}" if m.speed_comparable is False else "")
     )
     from regress.report.overview import rates
 

@@ -166,3 +166,22 @@ def latency_verdict(latency: Any, t: Any) -> tuple[str | None, list[str]]:
     if failures:
         return "fail", failures + passes
     return ("pass" if checked else None), passes
+
+
+PERF_LOAD_BOUND = 0.5
+"""Cores of load beside the engine by which two runs' generations may differ and their speeds
+still compare. More, and the figures measure what else ran (a pip build, a test beside it)."""
+
+
+def speed_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> tuple[bool | None, str | None]:
+    """Whether two runs' speeds compare (:class:`regress.records.Timings` each), and why: the load
+    beside each engine during its generation (:meth:`~regress.records.Timings.other_load`) differs
+    by at most ``bound`` cores. (None, None) when either run did not record it."""
+    g, c = golden.other_load(), run.other_load()
+    if g is None or c is None:
+        return None, None
+    said = (f"beside the engine, the machine's load was {g:.1f} during the golden's generation and {c:.1f} "
+            f"during the candidate's (of {run.cpu_count or golden.cpu_count or '?'} CPUs)")
+    if abs(g - c) > bound:
+        return False, f"speeds not comparable: {said}; re-time both on a quiet machine"
+    return True, f"speeds comparable: {said}"

@@ -213,6 +213,9 @@ def score_runs(
     if quality is None and gate_by_default and gate == "quality":
         gate = "fidelity"  # nothing to judge quality by, and nobody asked for it by name
     gm, rm = golden.manifest, run.manifest
+    from regress.latency import speed_comparison
+
+    comparable, speed_note = speed_comparison(gm.timings, rm.timings)
     n = len(scores)
     fields, extra = aggregates([info for info, _ in metrics], [s.metrics for s in scores])
     run_metrics = RunMetrics(
@@ -229,6 +232,8 @@ def score_runs(
         tokens_per_s=rm.timings.tokens_per_s,
         golden_tokens_per_s=gm.timings.tokens_per_s,
         tokens_per_s_ratio=(rm.timings.tokens_per_s / gm.timings.tokens_per_s) if gm.timings.tokens_per_s else None,
+        speed_comparable=comparable,
+        speed_note=speed_note,
         engine_load_s=rm.timings.engine_load_s,
         golden_engine_load_s=gm.timings.engine_load_s,
         peak_memory_mib=rm.memory.peak_rss_mib,

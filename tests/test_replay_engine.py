@@ -23,6 +23,10 @@ def test_golden_records_outputs_logprobs_and_how_it_was_made(golden_dir, fixture
     assert m.engine_args["enforce_eager"] is True
     assert m.env_vars["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and m.env_vars["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert m.hardware.cpu_count and m.hardware.platform
+    # What the engine had of the machine while it generated: its CPU time and the load beside it.
+    t = m.timings
+    assert 0 < t.generation_cpu_s and t.load_avg is not None and t.cpu_count == m.hardware.cpu_count
+    assert t.other_load() is not None and t.other_load() >= 0
     assert m.layout.shard_size == 16 and [s.count for s in m.layout.shards] == [16, 16, 8]
     assert m.dataset.prompts == 40 == len(run)
     t = m.timings

@@ -199,10 +199,14 @@ class EngineServer:
         k = max(p["sampling"]["logprobs"] for p in prompts)
 
         progress = self._progress(index, "generate")
+        load_before, cpu_before = _load_avg(), time.process_time()
         started = time.perf_counter()
         with _naming(prompts, "generation"):
             outputs = self.backend.generate(requests, progress)
         generation_s = time.perf_counter() - started
+        # What the engine had of the machine while it generated: its own CPU time (every thread)
+        # and the load average, so that two runs' speeds are compared only when comparable.
+        generation_cpu_s, load_after = time.process_time() - cpu_before, _load_avg()
         progress.flush()
         # Where the backend built the prompt itself (a server's chat template), its ids are the input.
         used = [list(o.prompt_token_ids) if getattr(o, "prompt_token_ids", None) is not None else None
@@ -264,6 +268,9 @@ class EngineServer:
             **({"teacher_force_reused": reused} if forced is not None else {}),
             **({"teacher_force_cut": cut} if cut is not None else {}),
             "generation_s": generation_s,
+            "generation_cpu_s": generation_cpu_s,
+            **({"load_avg": (load_before + load_after) / 2} if load_before is not None and load_after is not None else {}),
+            "cpu_count": os.cpu_count(),
             "teacher_forcing_s": teacher_forcing_s,
             "prompt_tokens": int(prompt_tokens.size),
             "output_tokens": int(output_tokens.size),
@@ -319,6 +326,14 @@ def _teacher_force_cut(sequences: list[tuple[list[int], list[int]]], rows: list[
     longer than its max_model_len is cut to fit; n = 0: not teacher-forced at all)."""
     return [None if len(r.token_logprobs) >= len(s[1]) else {"scored": len(r.token_logprobs), "of": len(s[1])}
             for s, r in zip(sequences, rows)]
+
+
+def _load_avg() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (OSError, AttributeError):
+        return None
 
 
 def _timing_meta(backend: EngineBackend, outputs: list[Any]) -> dict[str, Any]:

@@ -147,6 +147,21 @@ class Timings(_Record):
     """Generated tokens per second of generation time."""
     engine_loads: int = 1
     """How many times an engine was started (1 unless it crashed and was restarted)."""
+    generation_cpu_s: float | None = None
+    """CPU time the engine process used while generating (all its threads): against
+    ``generation_s``, how many cores it had. None in runs made before it was recorded."""
+    load_avg: float | None = None
+    """The machine's 1-minute load average during generation (the mean of each shard's start and
+    end): what else ran beside the engine. None where the platform has none, or in older runs."""
+    cpu_count: int | None = None
+    """Logical CPUs of the machine the engine ran on (for reading ``load_avg``)."""
+
+    def other_load(self) -> float | None:
+        """The load beside the engine during generation: the load average less the cores the
+        engine itself kept busy (its CPU time over the generation's wall time)."""
+        if self.load_avg is None or self.generation_cpu_s is None or self.generation_s <= 0:
+            return None
+        return max(0.0, self.load_avg - self.generation_cpu_s / self.generation_s)
 
 
 class Memory(_Record):

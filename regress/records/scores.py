@@ -178,6 +178,12 @@ class RunMetrics(_Record):
     """Golden (baseline) generation throughput."""
     tokens_per_s_ratio: float | None
     """Candidate / golden throughput (> 1 is faster)."""
+    speed_comparable: bool | None = Field(None, exclude_if=lambda v: v is None)
+    """Whether the golden's and the candidate's speeds compare: the load beside the engine during
+    each side's generation differs by at most ``PERF_LOAD_BOUND`` cores (:func:`regress.scoring.speed_comparison`).
+    False: the speed figures say more about what else ran than about the candidate. None: not recorded."""
+    speed_note: str | None = Field(None, exclude_if=lambda v: v is None)
+    """Why the speeds do or do not compare, in words (the loads of both sides)."""
     engine_load_s: float
     """Candidate engine load time."""
     golden_engine_load_s: float

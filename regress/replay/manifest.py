@@ -112,6 +112,28 @@ def _prefilled(shard_metas: list[dict[str, Any]]) -> list[str] | None:
             if not reused]
 
 
+def _machine_load(shard_metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's CPU time, the load average (weighted by each shard's generation time) and the
+    CPU count over the shards that recorded them: how comparable the run's speed is to another's.
+    A shard's values are numbers from the engine process (a worker's too): anything else is left out."""
+    def number(value: Any) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+    cpu = [number(m.get("generation_cpu_s")) for m in shard_metas]
+    loads = [(number(m.get("load_avg")), number(m.get("generation_s"))) for m in shard_metas]
+    out: dict[str, Any] = {}
+    if cpu and all(c is not None for c in cpu):
+        out["generation_cpu_s"] = round(sum(cpu), 3)  # type: ignore[arg-type]
+    weighted = [(load, wall) for load, wall in loads if load is not None and wall]
+    if weighted and len(weighted) == len(loads):
+        out["load_avg"] = round(sum(load * wall for load, wall in weighted) / sum(wall for _, wall in weighted), 2)
+    counts = {m.get("cpu_count") for m in shard_metas}
+    count = next(iter(counts)) if len(counts) == 1 else None
+    if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        out["cpu_count"] = count
+    return out
+
+
 def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: list[dict[str, Any]],
                    total_s: float) -> RunManifest:
     """The manifest of the complete run of ``plan``."""
@@ -157,6 +179,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
             output_tokens=output_tokens,
             tokens_per_s=round(output_tokens / generation_s, 2) if generation_s > 0 else 0.0,
             engine_loads=outcome.engine_loads,
+            **_machine_load(shard_metas),
         ),
         memory=Memory(**outcome.memory) if outcome.memory else Memory(),
         effective=effective_record(plan.candidate, info, shard_metas,  # type: ignore[arg-type]

@@ -54,7 +54,8 @@ def _flatten(m: RunManifest) -> dict[tuple[str, str], Any]:
         ("engine", "transformers"): v.transformers,
         ("engine", "python"): v.python,
         ("engine", "extra requirements"): c.requirements or None,
-        ("engine", "environment"): m.environment,
+        # Not the environment's directory: it says where a cache lives on this machine, not what
+        # ran (the package, the versions above and the manifest's `packages` say that).
         ("model", "model"): mo.model,
         ("model", "revision"): mo.revision,
         ("model", "files sha256"): mo.files_sha256,

@@ -79,7 +79,7 @@ class PerfRow:
     candidate: str
     change: str
     direction: str
-    """'better', 'worse' or 'same'."""
+    """'better', 'worse', 'same', or 'incomparable' (the two runs ran under different loads)."""
 
 
 @dataclass(frozen=True)
@@ -240,14 +240,22 @@ def _perf(label: str, golden: float | None, cand: float | None, unit: str, highe
     return PerfRow(label, show(golden), show(cand), change, direction)
 
 
+def _not_comparable(row: PerfRow) -> PerfRow:
+    """A time figure whose two runs ran under different loads: shown, not coloured as a change."""
+    change = row.change if row.change == "—" else f"{row.change} (not comparable)"
+    return PerfRow(row.label, row.golden, row.candidate, change, "incomparable")
+
+
 def performance(score: ScoredRun) -> list[PerfRow]:
     m, gt, rt = score.metrics, score.golden.timings, score.run.timings
-    rows = [
+    timed = [
         _perf("throughput", m.golden_tokens_per_s, m.tokens_per_s, "tokens/s", True),
         _perf("engine load", m.golden_engine_load_s, m.engine_load_s, "s", False),
-        _perf("peak memory", m.golden_peak_memory_mib, m.peak_memory_mib, "MiB", False),
         _perf("generation time", gt.generation_s, rt.generation_s, "s", False),
     ]
+    if m.speed_comparable is False:  # a speed-up measured against a busy golden is contention, not the candidate
+        timed = [_not_comparable(row) for row in timed]
+    rows = [*timed[:2], _perf("peak memory", m.golden_peak_memory_mib, m.peak_memory_mib, "MiB", False), timed[2]]
     if score.golden.memory.peak_gpu_mib is not None or score.run.memory.peak_gpu_mib is not None:
         rows.append(_perf("peak GPU memory", score.golden.memory.peak_gpu_mib, score.run.memory.peak_gpu_mib, "MiB", False))
     return rows
