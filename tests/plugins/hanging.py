@@ -37,7 +37,16 @@ class HangingBackend(EchoBackend):
 
     def generate(self, requests, progress):  # type: ignore[no-untyped-def]
         _hang_if("generate")
-        return super().generate(requests, progress)
+        outputs = super().generate(requests, progress)
+        if os.environ.get("FAKE_HANG_IN") == "teacher_force":
+            # Teacher forcing prefills only what diverged from the golden: this candidate's outputs
+            # differ (its first token moved), so that the pass runs, and hangs.
+            import dataclasses
+
+            outputs = [dataclasses.replace(o, output_token_ids=[(o.output_token_ids[0] + 1) % 1000,
+                                                                *o.output_token_ids[1:]])
+                       if o.output_token_ids else o for o in outputs]
+        return outputs
 
     def teacher_force(self, sequences, k, progress):  # type: ignore[no-untyped-def]
         _hang_if("teacher_force")
