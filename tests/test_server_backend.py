@@ -554,6 +554,13 @@ def test_check_your_running_server_as_the_readme_says(served: str, fixture_model
     assert check.returncode == 0, check.stderr  # the same server, the same outputs
     metrics = json.loads((project / "scores" / "served-again" / "metrics.json").read_text())
     assert metrics["verdict"] == "pass" and metrics["prompts"] == 13
+    # The starter set's multiple-choice question is scored through the server on both sides (each
+    # choice teacher-forced with prompt_logprobs): four choices, the same picks and log-likelihoods.
+    scores = {s["prompt_id"]: s for s in json.loads((project / "scores" / "served-again" / "scores.json").read_text())["scores"]}
+    choice = scores["choice-01"]["metrics"]
+    assert choice["choices"] == 4 and choice["choice_golden_pick"] == choice["choice_candidate_pick"]
+    assert choice["choice_logprob_shift"] == pytest.approx(0.0, abs=1e-3)
+    assert scores["choice-01"]["answer"] is not None
     assert (project / "reports" / "served-again" / "index.html").is_file()
     assert envs() == before
     _no_key_in(project / "runs" / "served-again")
