@@ -277,13 +277,13 @@ def run_check(
 
 
 TRY_DIR = "try"
-"""Where quick tries on part of the prompt set go (``try/<candidate>/``): never runs/, scores/ or reports/."""
+"""Where tries on part of the prompt set go (``try/<candidate>/``): never runs/, scores/ or reports/."""
 
 
 def try_check(params: Params, spec: CandidateSpec, *, tags: list[str] | None, limit: int | None,
               executor: "Executor | None" = None, progress: "ProgressSink | None" = None, force: bool = False,
               golden_scoring: bool = True) -> CheckResult:
-    """A quick try (``regress check --tags T --limit N``): ``spec`` replayed on the chosen prompts
+    """A try (``regress check --tags T --limit N``): ``spec`` replayed on the chosen prompts
     against the golden, scored and reported as a check is, all under ``try/<candidate>/`` (run,
     scores, report). Nothing of the pipeline's is touched and no history line is written, so a try
     is never taken for the candidate's result. Its batches are not the golden's (fewer prompts

@@ -10,7 +10,7 @@ traceback (:mod:`regress.cli_boundary`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.markup import escape
@@ -348,12 +348,15 @@ def check(
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
     golden_scoring: bool = GoldenScoringOption,
-    tags: Optional[list[str]] = typer.Option(None, "--tags", help="A quick try: only the prompts with this tag (repeatable), into try/<candidate>/."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="A quick try: only the first N prompts (after --tags), into try/<candidate>/."),
+    tags: Optional[list[str]] = typer.Option(None, "--tags", help="A try: only the prompts with this tag (repeatable), into try/<candidate>/."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="A try: only the first N prompts (after --tags), into try/<candidate>/."),
+    quick: bool = typer.Option(False, "--quick", help="A quick check: one prefill of prompt + golden completion per prompt, nothing generated; the run-level fidelity verdict only, into quick/<candidate>/."),
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run.
 
-    With --tags or --limit, a quick try on part of the prompt set: run, scores and report go to try/<candidate>/, nothing of runs/, scores/, reports/ or the history changes."""
+    With --tags or --limit, a try on part of the prompt set: run, scores and report go to try/<candidate>/, nothing of runs/, scores/, reports/ or the history changes.
+
+    With --quick, a quick check: the candidate only prefills the golden's completions (a fraction of a full check's cost) and is judged teacher-forced against the baseline's own prefill and its prefill-only noise arms (made once per golden under quick/.baseline/). Fidelity only: no quality verdict, no sampled prompts. Results go to quick/<candidate>/."""
     from regress.checks import TRY_DIR, executor_for, run_check, try_check
     from regress.config import load_params
     from regress.progress import RichProgress
@@ -361,6 +364,12 @@ def check(
     p = load_params(params)
     spec = p.candidate(candidate)
     trying = bool(tags) or limit is not None
+    if quick:
+        if trying or golden_dir is not None:
+            raise ConfigError("--quick checks the whole prompt set against params' golden: leave out --tags, "
+                              "--limit and --golden", field="--quick")
+        _quick_check(p, spec, executor_for(p, executor, queue), force)
+        return
     with writing_project(p), RichProgress(f"replay '{spec.name}'") as progress:
         if trying:
             if golden_dir is not None:
@@ -372,12 +381,28 @@ def check(
                                progress=progress, force=force, golden_scoring=golden_scoring)
     summarise_run(result.manifest, p.root / TRY_DIR / spec.name / "run" if trying else p.run_dir(spec.name))
     if trying:
-        _out(f"a quick try on {result.scored.report.metrics.prompts} prompt(s), not the candidate's result: its batches "
+        _out(f"a try on {result.scored.report.metrics.prompts} prompt(s), not the candidate's result: its batches "
              "are not the golden's, so batch-variant drift can show; `regress check` without --tags/--limit for that")
     print_scores(result.scored.report)
     if result.scored.diagnosis is not None:
         print_diagnosis(result.scored.diagnosis)
     _out(f"report: {result.scored.page}")
+    if result.gating_failed:
+        raise typer.Exit(EXIT_REGRESSION)
+
+
+def _quick_check(p: Any, spec: Any, executor: Any, force: bool) -> None:
+    """``regress check --quick``: run it, print its verdict, exit 1 when it fails."""
+    from regress.progress import RichProgress
+    from regress.quick import quick_check
+
+    with writing_project(p), RichProgress(f"quick check of '{spec.name}'") as progress:
+        result = quick_check(p, spec, executor=executor, progress=progress, force=force)
+    t = result.manifest.timings
+    _out(f"quick check '{spec.name}': {result.report.metrics.prompts} prompt(s) prefilled with the golden's "
+         f"completions in {t.teacher_forcing_s:.1f} s (engine load {t.engine_load_s:.1f} s), nothing generated")
+    print_scores(result.report)
+    _out(f"report: {result.page}")
     if result.gating_failed:
         raise typer.Exit(EXIT_REGRESSION)
 

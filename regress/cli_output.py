@@ -50,17 +50,22 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
     from regress.report.overview import measures
 
     # The run's measures as the metrics declare them (label, format, order), plugins' included.
-    shown = ", ".join(f"{x.label} {x.value}" for x in measures(m))
+    # A quick check generated nothing: what it has is teacher-forced, and no speed to compare.
+    prefill = report.run.prefill_only
+    shown = ", ".join(f"{x.label} {x.value}" for x in measures(m)
+                      if not (prefill and (x.value == "—" or x.label == "exact match")))
     decision = "FAIL" if m.gating_failed else "PASS"
     verdicts = f"fidelity {m.verdict.upper()}, quality {(m.quality_verdict or 'n/a').upper()}"
+    speed = (f"  prefill only: {report.run.timings.teacher_forcing_s:.1f} s, engine load {m.engine_load_s:.1f} s"
+             if prefill else
+             f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
+             f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
+             + (f"\n  {m.speed_note}" if m.speed_comparable is False else ""))
     _out(
-        f"{m.candidate}: {decision} (gated on {m.gate}; {verdicts})  {m.prompts} prompts: {m.identical} identical, "
-        f"{m.benign} benign, "
+        f"{m.candidate}: {decision} (gated on {m.gate}; {verdicts})  {m.prompts} prompts: {m.identical} identical"
+        f"{' logprobs' if prefill else ''}, {m.benign} benign, "
         f"{m.drift} drift, {m.regression} regression, {m.input_drift} input drift\n"
-        f"  {shown}\n"
-        f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
-        f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
-        + (f"\n  {m.speed_note}" if m.speed_comparable is False else "")
+        f"  {shown}\n" + speed
     )
     from regress.report.overview import rates
 

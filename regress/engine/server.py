@@ -32,6 +32,7 @@ from regress.backends.base import (
     EngineBackend,
     GenerationRequest,
     LogprobRows,
+    RawGeneration,
     sampling_key,
 )
 from regress.engine import facts
@@ -60,6 +61,7 @@ from regress.engine.protocol import (
 )
 from regress.engine.vocabulary import vocabulary
 from regress.errors import InputError, ServerReplyError
+from regress.records.generation import NOT_GENERATED
 from regress.storage import atomic_write_text, ragged, write_shard
 
 _PROGRESS_INTERVAL_S = 0.25
@@ -201,8 +203,11 @@ class EngineServer:
         progress = self._progress(index, "generate")
         load_before, cpu_before = _load_avg(), time.process_time()
         started = time.perf_counter()
-        with _naming(prompts, "generation"):
-            outputs = self.backend.generate(requests, progress)
+        if request.generate:
+            with _naming(prompts, "generation"):
+                outputs = self.backend.generate(requests, progress)
+        else:  # prefill only (a quick check): the golden's completions are all there is to score
+            outputs = [RawGeneration([], "", NOT_GENERATED, LogprobRows.empty(k)) for _ in prompts]
         generation_s = time.perf_counter() - started
         # What the engine had of the machine while it generated: its own CPU time (every thread)
         # and the load average, so that two runs' speeds are compared only when comparable.
@@ -228,9 +233,11 @@ class EngineServer:
         forced = request.teacher_force
         if forced is not None:
             # The golden's completion after the prompt the engine actually used (the golden's own
-            # prompt ids unless the backend built the prompt itself).
-            sequences = [((u if u is not None else pair[0]), pair[1]) if pair else ([], [])
-                         for u, pair in zip(used, forced)]
+            # prompt ids unless the backend built the prompt itself); prefill only, after the
+            # prompt as this engine renders it, so that a changed tokenizer or template shows.
+            own = [None if request.generate else r for r in rendered]
+            sequences = [((o if o is not None else u if u is not None else pair[0]), pair[1]) if pair else ([], [])
+                         for o, u, pair in zip(own, used, forced)]
             # A prompt whose context and output are the golden's already holds its teacher-forced
             # measures: the free run scored the golden's tokens after the golden's prompt (decode
             # against decode, the fairer comparison). Only the rest are prefilled again.
@@ -252,7 +259,7 @@ class EngineServer:
             cut = _teacher_force_cut(sequences, rows)
         # Every run scores the choices (a golden too, which teacher-forces nothing else), after the
         # prompt ids the generation used.
-        choice_arrays, choice_meta = score_choices(self.backend, prompts, rendered)
+        choice_arrays, choice_meta = score_choices(self.backend, prompts if request.generate else [], rendered)
         arrays.update(choice_arrays)
         applied, truncated = self._sampling_applied(prompts)
         meta = {
@@ -265,6 +272,7 @@ class EngineServer:
             "sampling": [p["sampling"] for p in prompts],
             "top_k": k,
             "teacher_forced": forced is not None,
+            **({} if request.generate else {"prefill_only": True}),
             **({"teacher_force_reused": reused} if forced is not None else {}),
             **({"teacher_force_cut": cut} if cut is not None else {}),
             "generation_s": generation_s,

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from regress.records.generation import NOT_GENERATED
 from regress.metrics.base import (CONFIDENT_MARGIN, NEAR_TIE_MARGIN, Aggregate, Bound, Chart, Output, Pair, Rule,
                                   Setting, Values, logprob_of, metric)
 
@@ -83,6 +84,9 @@ _OUTPUTS = [
            regression=Bound(Setting("regression_same_top1", 0.8, ge=0, le=1,
                                     doc="Teacher-forced same-top-1 rate below this is a regression."),
                             reason=_SAME_REASON)),
+    Output("tf_topk_outside", "prefill only (a quick check, which has no free run to apply vLLM's top-k rule at its "
+           "first divergence): positions where one side's top-1 is outside the other side's top-k", format="int",
+           better="lower"),
     Output("tf_delta_p_mean", "mean of p_candidate(golden token) - p_golden(golden token)"),
     Output("tf_delta_p_rms", "root mean square of that probability difference", better="lower"),
     Output("tf_flips", "positions where the candidate's top-1 is not the golden's", better="lower"),
@@ -119,6 +123,19 @@ TEACHER_FORCING_RAN = Rule("teacher_forcing_ran", "a prompt the teacher-forcing 
                            _teacher_forcing_ran)
 
 
+def _topk_outside(values: Mapping[str, Any], t: Any) -> tuple[list[str], list[str]]:
+    """vLLM's top-k rule where there is no free run (a quick check): a top-1 the other side did not
+    even rank, at any position of the golden's completion, is a category, not a degree."""
+    n = values.get("tf_topk_outside")
+    if not getattr(t, "require_topk_agreement", True) or not isinstance(n, int) or n <= 0:
+        return [], []
+    return [f"teacher-forced, at {n} position(s) one side's top-1 is outside the other side's top-k"], []
+
+
+TOPK_OUTSIDE = Rule("teacher_forced_topk_agreement", "prefill only: each side's top-1 is in the other's top-k at "
+                    "every teacher-forced position", _topk_outside, categorical=True)
+
+
 def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, tf_top_lp) -> dict[str, np.ndarray]:
     """Per-position measures over any number of positions (rows)."""
     g_lp = golden_lp.astype(np.float64)
@@ -133,7 +150,9 @@ def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, t
     else:
         margin = np.full(len(g1), np.inf)
     dp = np.exp(c_lp) - np.exp(g_lp)
+    outside = ~((tf_top_ids == g1[:, None]).any(axis=1) & (golden_top_ids == c1[:, None]).any(axis=1))
     return {
+        "outside": outside,
         "delta": np.abs(c_lp - g_lp),
         "dp": dp,
         "kl": _kl_topk(golden_top_lp, golden_top_ids, tf_top_lp, tf_top_ids),
@@ -142,7 +161,7 @@ def _positionwise(golden_lp, golden_top_ids, golden_top_lp, tf_lp, tf_top_ids, t
     }
 
 
-@metric("teacher_forced", outputs=_OUTPUTS, batched=True, rules=[TEACHER_FORCING_RAN])
+@metric("teacher_forced", outputs=_OUTPUTS, batched=True, rules=[TEACHER_FORCING_RAN, TOPK_OUTSIDE])
 def teacher_forced() -> "callable":
     """Vectorised over every position of every prompt at once, then reduced per prompt: scoring
     10,000 prompts costs a few array passes instead of 10,000 rounds of small numpy calls."""
@@ -150,6 +169,7 @@ def teacher_forced() -> "callable":
     def score(pairs: list[Pair]) -> list[Values]:
         out: list[Values] = [{name: None for name in _NAMES} for _ in pairs]
         rows = []
+        prefill_only: list[bool] = []
         for i, pair in enumerate(pairs):
             tf = pair.candidate.teacher_forced
             if tf is None:
@@ -158,6 +178,7 @@ def teacher_forced() -> "callable":
             out[i]["tf_unscored"] = max(0, len(pair.golden.output_token_ids) - len(tf.token_ids))
             if len(tf.token_ids):
                 rows.append((i, pair.golden.free_run, tf))
+                prefill_only.append(pair.candidate.finish_reason == NOT_GENERATED)
         if not rows:
             return out
         lengths = np.array([len(tf.token_ids) for _, _, tf in rows])
@@ -181,7 +202,7 @@ def teacher_forced() -> "callable":
             stack(lambda g, tf: tf.top_logprobs, -np.inf, np.float32),
         )
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        sums = {name: np.add.reduceat(per[name], starts) for name in ("delta", "dp", "kl", "same")}
+        sums = {name: np.add.reduceat(per[name], starts) for name in ("delta", "dp", "kl", "same", "outside")}
         sq = np.add.reduceat(per["dp"] ** 2, starts)
         maxes = {name: np.maximum.reduceat(per[name], starts) for name in ("delta", "kl", "flipped_margin")}
         for j, (i, _, _) in enumerate(rows):
@@ -197,6 +218,7 @@ def teacher_forced() -> "callable":
                 tf_delta_p_rms=float(np.sqrt(sq[j] / n)),
                 tf_flips=flips,
                 tf_max_flipped_margin=float(maxes["flipped_margin"][j]) if flips else None,
+                tf_topk_outside=int(sums["outside"][j]) if prefill_only[j] else None,
             )
         return out
 

@@ -50,6 +50,27 @@ def _implementation(baseline: "CandidateSpec", arm: str) -> "CandidateSpec":
     return baseline.model_copy(update={"engine_args": {**baseline.engine_args, "enforce_eager": not eager}})
 
 
+def arm_setup(baseline: "CandidateSpec", arm: Any, golden_size: int, golden_concurrency: int) -> tuple["CandidateSpec", int]:
+    """The baseline as ``arm`` runs it, and the arm's shard size (the golden's had ``golden_size``
+    prompts per shard and ``golden_concurrency`` requests in flight)."""
+    spec = baseline
+    if arm.name == "concurrency":
+        spec = _at_concurrency(baseline, arm.concurrency_for(golden_concurrency))
+    elif arm.name in ("float32", "compile"):
+        spec = _implementation(baseline, arm.name)
+    return spec, arm.shard_size_for(golden_size)
+
+
+def arm_result(arm: Any, golden_size: int, golden_concurrency: int, manifest: Any, scored: Any) -> NoiseArmResult:
+    """An arm's line in the floor: what it changed, its run and what it cost."""
+    m, tm = scored.metrics, manifest.timings
+    return NoiseArmResult(
+        name=arm.key, kind=arm.name, changed=arm.changed(golden_size, golden_concurrency),
+        shard_size=arm.shard_size_for(golden_size), run_id=manifest.run_id,
+        prompts=m.prompts, identical=m.identical, diverged=m.prompts - m.identical,
+        seconds=round(tm.engine_load_s + tm.generation_s + tm.teacher_forcing_s, 3))
+
+
 def run_arms(
     baseline: "CandidateSpec",
     prompt_set: "PromptSet",
@@ -82,23 +103,13 @@ def run_arms(
     golden_concurrency = baseline.server.concurrency if baseline.server is not None else 1
     for arm in settings.arms:
         out = arm_dir(golden_dir, arm.key)
-        size = arm.shard_size_for(golden_size)
-        spec = baseline
-        if arm.name == "concurrency":
-            spec = _at_concurrency(baseline, arm.concurrency_for(golden_concurrency))
-        elif arm.name in ("float32", "compile"):
-            spec = _implementation(baseline, arm.name)
+        spec, size = arm_setup(baseline, arm, golden_size, golden_concurrency)
         if progress is not None:
             progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
         manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size,
                           executor=executor, progress=progress, force=force)
         scored = score_runs(golden, load_run(out), t, expected=expected, metrics=metrics)
-        m, tm = scored.metrics, manifest.timings
-        results.append((NoiseArmResult(
-            name=arm.key, kind=arm.name, changed=arm.changed(golden_size, golden_concurrency), shard_size=size,
-            run_id=manifest.run_id,
-            prompts=m.prompts, identical=m.identical, diverged=m.prompts - m.identical,
-            seconds=round(tm.engine_load_s + tm.generation_s + tm.teacher_forcing_s, 3)), scored))
+        results.append((arm_result(arm, golden_size, golden_concurrency, manifest, scored), scored))
     floor = build_floor(golden.manifest.run_id, results, k=settings.k, q=settings.quantile)
     if write:
         write_floor(floor, golden_dir)

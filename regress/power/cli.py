@@ -38,6 +38,8 @@ def power(
     as_json: bool = typer.Option(False, "--json", help="Print power/power.json."),
     no_fail: bool = typer.Option(False, "--no-fail", help="Exit 0 even when the gate is inconsistent (a pipeline "
                                  "stage: the figure says so in every report)."),
+    quick: bool = typer.Option(False, "--quick", help="The ladder of the quick check (`regress check --quick`): every "
+                               "step only prefills the golden's completions; written to power/quick/power.json."),
 ) -> None:
     """Measure how small a change the gate fails: weight noise planted in the baseline's own model.
 
@@ -68,10 +70,16 @@ def power(
             noise = noise.model_copy(update={"k": p.noise.k})  # as scoring applies it
         prompt_set = load_prompt_set(p.dataset)
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-        with RichProgress(f"detection power of the gate on '{spec.name}'") as sink:
-            result = run_ladder(spec, prompt_set, golden, p.power_dir(), thresholds=thresholds, metrics=metrics,
+        where = p.power_dir() / "quick" if quick else p.power_dir()
+        with RichProgress(f"detection power of the {'quick check' if quick else 'gate'} on '{spec.name}'") as sink:
+            reference = None
+            if quick:
+                from regress.quick import baseline_reference
+
+                reference, noise = baseline_reference(p, spec, prompt_set, golden, thresholds, None, sink, False)
+            result = run_ladder(spec, prompt_set, golden, where, thresholds=thresholds, metrics=metrics,
                                 noise=noise, expected=expected_answers(prompt_set), steps=ladder, seed=seed,
-                                progress=sink, force=force, keep_models=keep_models)
+                                progress=sink, force=force, keep_models=keep_models, reference=reference)
     if as_json:
         out(json.dumps(json.loads(result.model_dump_json()), indent=2))
     else:
@@ -81,7 +89,7 @@ def power(
         for arm in result.arms:
             out(f"  noise arm {arm.arm:<18} {arm.verdict.upper():<5} {arm.summary}")
         out(result.summary)
-        out(f"written: {p.power_dir() / 'power.json'}")
+        out(f"written: {where / 'power.json'}")
     raise typer.Exit(EXIT_OK if consistent(result) or no_fail else EXIT_REGRESSION)
 
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from regress.errors import ConfigError
 from regress.power.record import POWER_FILE, ArmStep, DetectionPower, PowerFigure, PowerStep
@@ -80,14 +80,30 @@ def run_ladder(
     progress: "ProgressSink | None" = None,
     force: bool = False,
     keep_models: bool = False,
+    reference: "RunResult | None" = None,
 ) -> DetectionPower:
     """Check every step of the ladder and every noise arm against the others; write and return
-    ``power/power.json``."""
+    ``power/power.json``.
+
+    ``reference``: the ladder of the quick check (:mod:`regress.quick`): every step only prefills
+    the golden's completions and is scored against this baseline prefill, with ``noise`` the
+    prefill-only floor and the arms the prefill-only ones under the reference."""
     from regress.model_variants import perturb_linear
     from regress.replay import replay
     from regress.runs import load_run
     from regress.scoring import score_runs, write_score_outputs
     from regress.storage import atomic_write_text
+
+    if reference is None:
+        def score(run: "RunResult", floor: "NoiseFloor | None") -> "ScoredRun":
+            return score_runs(golden, run, thresholds, expected=expected, metrics=metrics, noise=floor)
+        arms_root = golden.path
+    else:
+        from regress.quick import score_quick
+
+        def score(run: "RunResult", floor: "NoiseFloor | None") -> "ScoredRun":
+            return score_quick(reference, golden, run, thresholds, noise=floor)
+        arms_root = reference.path
 
     if not steps or any(not 0 < s < 10 for s in steps) or list(steps) != sorted(set(steps)):
         raise ConfigError("steps must be distinct noise strengths above 0 (percent of std), in increasing order",
@@ -104,11 +120,12 @@ def run_ladder(
             perturb_linear(source, model, scale=scale, seed=seed)
         spec = baseline.model_copy(update={"name": f"power-{key}", "model": str(model.resolve())})
         try:
-            manifest = replay(spec, prompt_set, out, golden=golden, executor=None, progress=progress, force=force)
+            manifest = replay(spec, prompt_set, out, golden=golden, executor=None, progress=progress, force=force,
+                              generate=reference is None)
         finally:
             if not keep_models:
                 shutil.rmtree(model, ignore_errors=True)
-        scored = score_runs(golden, load_run(out), thresholds, expected=expected, metrics=metrics, noise=noise)
+        scored = score(load_run(out), noise)
         write_score_outputs(scored, out / "scores")
         m = scored.metrics
         results.append(PowerStep(
@@ -118,7 +135,7 @@ def run_ladder(
             reasons=scored.verdict_reasons[:REASONS_KEPT], **_test_fields(scored)))
     if not keep_models:
         shutil.rmtree(power_dir / MODELS_DIR, ignore_errors=True)
-    arms = arm_checks(golden, noise, thresholds, metrics, expected) if noise is not None else []
+    arms = arm_checks(golden.manifest.run_id, noise, score, arms_root) if noise is not None else []
     power = conclude(golden.manifest.run_id, seed, results, arms, basis="noise" if noise is not None else "per-prompt",
                      digest=thresholds_digest(thresholds))
     atomic_write_text(power_dir / POWER_FILE, power.model_dump_json(indent=1))
@@ -134,30 +151,27 @@ def family(kind: str) -> str:
     return "implementation" if kind in IMPLEMENTATION_ARMS else "scheduling"
 
 
-def arm_checks(golden: "RunResult", noise: "NoiseFloor", thresholds: Any, metrics: list[tuple[Any, Any]],
-               expected: dict[str, list[str]] | None) -> list[ArmStep]:
-    """Each noise arm scored against the envelope of the other arms of its family (:func:`family`;
-    an arm alone in its family is not checked): a change that is only the baseline's noise, which
-    the gate must pass."""
+def arm_checks(golden_run_id: str, noise: "NoiseFloor",
+               score: "Callable[[RunResult, NoiseFloor | None], ScoredRun]", arms_root: Path) -> list[ArmStep]:
+    """Each noise arm (its run under ``arms_root``/noise-arms/) scored against the envelope of the
+    other arms of its family (:func:`family`; an arm alone in its family is not checked): a change
+    that is only the baseline's noise, which the gate must pass. ``score``: a run scored as a
+    check scores it, against a floor (None: the plain thresholds)."""
     from regress.noise.arms import arm_dir
     from regress.noise.floor import build_floor
     from regress.runs import load_run
-    from regress.scoring import score_runs
 
     kinds = {a.name: family(a.kind) for a in noise.arms}
     checked = [a for a in noise.arms if sum(1 for k in kinds.values() if k == kinds[a.name]) >= 2]
     if not checked:
         return []
-    golden_dir = golden.path
-    plain = {a.name: score_runs(golden, load_run(arm_dir(golden_dir, a.name)), thresholds, expected=expected,
-                                metrics=metrics) for a in noise.arms}
+    plain = {a.name: score(load_run(arm_dir(arms_root, a.name)), None) for a in noise.arms}
     checks = []
     for arm in checked:
         # Against the other arms of its family: a float32 run is not another draw of batch noise.
         others = [(a, plain[a.name]) for a in noise.arms if a.name != arm.name and kinds[a.name] == kinds[arm.name]]
-        floor = build_floor(golden.manifest.run_id, others, k=noise.k, q=noise.quantile)
-        scored = score_runs(golden, load_run(arm_dir(golden_dir, arm.name)), thresholds, expected=expected,
-                            metrics=metrics, noise=floor)
+        floor = build_floor(golden_run_id, others, k=noise.k, q=noise.quantile)
+        scored = score(load_run(arm_dir(arms_root, arm.name)), floor)
         test = scored.metrics.noise_test
         summary = test.summary if test is not None else "; ".join(scored.verdict_reasons[:1])
         checks.append(ArmStep(arm=arm.name, verdict=scored.metrics.verdict, summary=summary, **_test_fields(scored)))

@@ -136,6 +136,11 @@ def choice_scores(meta_texts: list[str], answer: int, arrays: dict[str, np.ndarr
     )
 
 
+NOT_GENERATED = "not_generated"
+"""The finish reason of a prompt a prefill-only run (a quick check, :mod:`regress.quick`) did not
+generate for: its result is the teacher-forced logprobs of the golden's completion alone."""
+
+
 @dataclass(frozen=True, slots=True)
 class Generation:
     """One prompt's result in one run (a view over the run's arrays, like LogprobTrack)."""

@@ -406,6 +406,9 @@ class RunManifest(_Record):
     output and context were the golden's, so its free-running logprobs are its teacher-forced ones
     (decode against decode). None: not teacher-forced, or a run made before entries were skipped
     (every entry was prefilled)."""
+    prefill_only: bool = False
+    """Nothing was generated: every prompt run once had only its prompt + the golden's completion
+    prefilled (a quick check, :mod:`regress.quick`)."""
     timings: Timings
     """Times and token counts."""
     memory: Memory

@@ -60,6 +60,7 @@ def shard_request(task: ShardTask, run_dir: Path, run_id: str) -> ShardRequest:
         teacher_force=task.teacher_force,
         out=str(shard_file(run_dir, task.index).resolve()),
         meta={"fingerprint": task.fingerprint, "run_id": run_id},
+        generate=task.generate,
     )
 
 

@@ -170,6 +170,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         engine_args=info.get("engine_args", {}),
         teacher_forced=plan.kind == "replay" and plan.teacher_forced,
         teacher_force_prefilled=_prefilled(shard_metas),
+        prefill_only=plan.prefill_only,
         timings=Timings(
             engine_load_s=round(outcome.engine_load_s or float(info.get("engine_load_s", 0.0)), 3),
             generation_s=round(generation_s, 3),

@@ -148,6 +148,9 @@ class ShardTask:
     """The golden's tokens per prompt, scored teacher-forced; None for a free-running-only run."""
     fingerprint: str
     """Identifies exactly this shard of exactly this plan (stamped on its result file)."""
+    generate: bool = True
+    """False: prefill only (a quick check, :mod:`regress.quick`): the golden's completions
+    teacher-forced, nothing generated."""
 
     @property
     def size(self) -> int:
@@ -177,6 +180,11 @@ class ReplayPlan:
     def teacher_forced(self) -> bool:
         """Whether the shards score the golden's completions teacher-forced."""
         return any(t.teacher_force is not None for t in self.tasks)
+
+    @property
+    def prefill_only(self) -> bool:
+        """Whether nothing is generated: only the golden's completions are prefilled (a quick check)."""
+        return bool(self.tasks) and not any(t.generate for t in self.tasks)
 
 
 def _check_golden(prompt_set: PromptSet, golden: RunResult, entries: list[Entry]) -> None:
@@ -214,12 +222,27 @@ def plan_replay(
     shard_size: int | None = None,
     teacher_force: bool = True,
     generation_defaults: dict[str, Any] | None = None,
+    generate: bool = True,
 ) -> ReplayPlan:
     """Plan a golden run (``golden=None``) or a replay against ``golden``. ``generation_defaults``:
-    the candidate's generation_config defaults when the caller has read them (None: read here)."""
+    the candidate's generation_config defaults when the caller has read them (None: read here).
+
+    ``generate=False``: a prefill-only replay (a quick check, :mod:`regress.quick`): every prompt
+    run once gets one prefill of its prompt + the golden's completion, nothing is generated.
+    Sampled prompts are left out: what they test is the distribution of new samples."""
     defaults = read_generation_defaults(candidate) if generation_defaults is None else generation_defaults
-    return _plan(candidate, prompt_set, plan_entries(prompt_set, candidate, defaults), golden=golden,
-                 shard_size=shard_size, teacher_force=teacher_force, defaults=defaults)
+    entries = plan_entries(prompt_set, candidate, defaults)
+    if not generate:
+        if golden is None:
+            raise ConfigError("a prefill-only run needs a golden to prefill", field="generate")
+        entries = [e for e in entries if not e.sampling.samples]
+    return _plan(candidate, prompt_set, entries, golden=golden, shard_size=shard_size,
+                 teacher_force=teacher_force or not generate, defaults=defaults,
+                 purpose=None if generate else PREFILL_ONLY)
+
+
+PREFILL_ONLY = "prefill-only"
+"""What a plan with ``generate=False`` is for (part of its fingerprint)."""
 
 
 GOLDEN_SCORING = "golden-scores-samples"
@@ -301,7 +324,7 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
                 row = golden.position(e.id)
                 pairs.append([golden.prompt_token_ids(row).tolist(), golden.output_token_ids(row).tolist()])
         fingerprint = _shard_fingerprint(plan_fingerprint, shard.index, inputs, pairs)
-        tasks.append(ShardTask(shard.index, inputs, pairs, fingerprint))
+        tasks.append(ShardTask(shard.index, inputs, pairs, fingerprint, generate=purpose != PREFILL_ONLY))
     return ReplayPlan(
         run_id=uuid.uuid4().hex,
         kind="golden" if golden is None else "replay",

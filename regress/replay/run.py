@@ -32,6 +32,7 @@ def replay(
     force: bool = False,
     baseline: CandidateSpec | None = None,
     generation_defaults: dict[str, Any] | None = None,
+    generate: bool = True,
 ) -> RunManifest:
     """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
 
@@ -46,14 +47,17 @@ def replay(
 
     ``generation_defaults``: the candidate's generation_config defaults when the caller has read
     them (:func:`regress.effective.generation_defaults`; None: the plan reads them).
+
+    ``generate=False``: prefill only (a quick check, :mod:`regress.quick`): the golden's
+    completions teacher-forced, nothing generated, sampled prompts left out.
     """
     out_dir = Path(out_dir)
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force,
-                       generation_defaults=generation_defaults)
+                       generation_defaults=generation_defaults, generate=generate)
     manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
-    if golden is not None and baseline is not None and candidate.name != baseline.name:
+    if golden is not None and baseline is not None and candidate.name != baseline.name and generate:
         from regress.runs import load_run
 
         scoring = plan_golden_scoring(baseline, prompt_set, load_run(out_dir), golden=golden)
@@ -82,9 +86,10 @@ def execute_plan(plan: ReplayPlan, out_dir: Path, *, executor: Executor, progres
     work = prepare_partial(out_dir, plan)
     already = prompts_done(work, plan)
     total = sum(t.size for t in plan.tasks)  # requests: a sampled prompt counts once per sample
-    progress.start("generate", total)
-    if already:
-        progress.advance("generate", already)
+    if not plan.prefill_only:
+        progress.start("generate", total)
+        if already:
+            progress.advance("generate", already)
     if plan.kind == "replay" and plan.teacher_forced:
         progress.start("teacher_force", total)
         if already:
