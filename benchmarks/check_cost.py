@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,8 +108,7 @@ def measure(project: Path, name: str) -> dict:
     first_quick = None
     if not (project / "quick/.baseline/run/manifest.json").is_file():
         first_quick, _ = _regress(project, "check", name, "--quick")
-    shutil.rmtree(project / "quick" / name / "run", ignore_errors=True)
-    quick_s, quick = _regress(project, "check", name, "--quick")
+    quick_s, quick = _regress(project, "check", name, "--quick", "--force")
     if quick.returncode not in (0, 1):
         raise SystemExit(f"regress check {name} --quick could not run:\n{quick.stderr[-3000:]}")
     quick_metrics = json.loads((project / "quick" / name / "scores/metrics.json").read_text())
@@ -120,7 +118,7 @@ def measure(project: Path, name: str) -> dict:
         "candidate": name, "bare": bare, "full_wall_s": round(full_s, 2), "full_phases": phases,
         "full_over_bare": round(full_s / bare_s, 3),
         "identical_share": round(metrics["identical"] / metrics["prompts"], 3), "diverged": diverged,
-        "verdict": metrics["verdict"], "gating_failed": metrics["gating_failed"],
+        "verdict": metrics["verdict"], "quality_verdict": metrics.get("quality_verdict"), "gate": metrics.get("gate"),
         "teacher_forcing_over_generation": round(phases["teacher_forcing_s"] / phases["generation_s"], 3),
         "quick_wall_s": round(quick_s, 2), "quick_phases": _phases(project, f"quick/{name}/run"),
         "quick_over_full": round(quick_s / full_s, 3), "quick_verdict": quick_metrics["verdict"],

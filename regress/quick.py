@@ -201,7 +201,8 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
     if executor is None:
         params.check_model_paths(baseline)
     t = Thresholds.from_params(params.thresholds, file=str(params.path))
-    reference, floor = baseline_reference(params, baseline, prompt_set, golden, t, executor, progress, force)
+    # --force reruns the candidate's prefill; the baseline's is redone only when its plan changed.
+    reference, floor = baseline_reference(params, baseline, prompt_set, golden, t, executor, progress, False)
     root = quick_root(params) / spec.name
     if progress is not None:
         progress.status(f"'{spec.name}' prefills the golden's completions (quick check: nothing generated)")
