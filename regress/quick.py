@@ -116,8 +116,10 @@ def score_quick(reference: "RunResult", golden: "RunResult", run: "RunResult", t
 def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: "PromptSet", golden: "RunResult",
                         t: Any, executor: "Executor | None", progress: "ProgressSink | None",
                         force: bool) -> tuple["RunResult", "NoiseFloor | None"]:
-    """The baseline's prefill and its prefill-only noise floor, made once per golden (and again
-    when the prompt set, the baseline or the noise arms change), then reused."""
+    """The baseline's prefill and its prefill-only noise floor. The runs are made once per golden
+    (and again when the prompt set, the baseline or an arm changes: their plans' fingerprints),
+    then reused; the floor is scored from them each time (seconds), so it always follows the arms
+    in force."""
     from regress.noise.arms import arm_result, arm_setup
     from regress.noise.floor import ARMS_DIR, build_floor, load_floor, write_floor
     from regress.replay import replay
@@ -131,9 +133,6 @@ def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: 
     reference = load_run(ref_dir)
     if params.noise is None:
         return reference, None
-    floor = None if force else _current_floor(ref_dir, reference, params)
-    if floor is not None:
-        return reference, floor
     size, concurrency = golden.manifest.layout.shard_size, baseline.server.concurrency if baseline.server else 1
     results = []
     for arm in params.noise.arms:
@@ -148,20 +147,6 @@ def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: 
     floor = build_floor(reference.manifest.run_id, results, k=params.noise.k, q=params.noise.quantile)
     write_floor(floor, ref_dir)
     return reference, load_floor(ref_dir, reference.manifest.run_id)
-
-
-def _current_floor(ref_dir: Path, reference: "RunResult", params: "Params") -> "NoiseFloor | None":
-    """The stored prefill-only floor when it was measured on this reference with the arms in force."""
-    from regress.errors import NoiseFloorError
-    from regress.noise.floor import load_floor
-
-    try:
-        floor = load_floor(ref_dir, reference.manifest.run_id)
-    except NoiseFloorError:
-        return None
-    if floor is None or [a.name for a in floor.arms] != [a.key for a in params.noise.arms]:
-        return None
-    return floor
 
 
 @dataclass(frozen=True)

@@ -235,9 +235,9 @@ class EngineServer:
             # The golden's completion after the prompt the engine actually used (the golden's own
             # prompt ids unless the backend built the prompt itself); prefill only, after the
             # prompt as this engine renders it, so that a changed tokenizer or template shows.
-            own = [None if request.generate else r for r in rendered]
-            sequences = [((o if o is not None else u if u is not None else pair[0]), pair[1]) if pair else ([], [])
-                         for o, u, pair in zip(own, used, forced)]
+            heads = used if request.generate else rendered
+            sequences = [((h if h is not None else pair[0]), pair[1]) if pair else ([], [])
+                         for h, pair in zip(heads, forced)]
             # A prompt whose context and output are the golden's already holds its teacher-forced
             # measures: the free run scored the golden's tokens after the golden's prompt (decode
             # against decode, the fairer comparison). Only the rest are prefilled again.
