@@ -227,13 +227,14 @@ def run_check(
     executor: "Executor | None" = None,
     progress: "ProgressSink | None" = None,
     force: bool = False,
-    golden_scoring: bool = True,
+    golden_scoring: str = "auto",
     source: str = "check",
     release: tuple[str, str] | None = None,
 ) -> CheckResult:
     """Replay ``spec`` against the golden into runs/<name>, score it and write its report.
-    ``golden_scoring``: let the baseline score the candidate's samples (sampled prompts only;
-    one more engine load; see :func:`regress.replay.replay`). ``source`` and ``release`` go to
+    ``golden_scoring``: who scores the candidate's samples (sampled prompts only): ``auto``, the
+    baseline unless the candidate's logprobs agree with the golden's, ``always`` or ``never``
+    (:func:`regress.replay.replay`). ``source`` and ``release`` go to
     the check history (:func:`score_candidate`): who ran the check (``check``, ``watch``,
     ``bisect``) and the (package, version) it checks, None to infer it.
 
@@ -253,7 +254,7 @@ def run_check(
     defaults = generation_defaults(spec)
     manifest = replay(spec, prompt_set, params.run_dir(spec.name), golden=golden_run,
                       executor=executor, progress=progress, force=force,
-                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None,
+                      baseline=params.golden_baseline(golden_run.manifest), golden_scoring=golden_scoring,
                       generation_defaults=defaults)
     scoring = _score(params, spec, golden_dir=golden_dir, run_dir=None, out=None, golden=golden_run,
                      prompt_set=prompt_set)
@@ -282,7 +283,7 @@ TRY_DIR = "try"
 
 def try_check(params: Params, spec: CandidateSpec, *, tags: list[str] | None, limit: int | None,
               executor: "Executor | None" = None, progress: "ProgressSink | None" = None, force: bool = False,
-              golden_scoring: bool = True) -> CheckResult:
+              golden_scoring: str = "auto") -> CheckResult:
     """A try (``regress check --tags T --limit N``): ``spec`` replayed on the chosen prompts
     against the golden, scored and reported as a check is, all under ``try/<candidate>/`` (run,
     scores, report). Nothing of the pipeline's is touched and no history line is written, so a try
@@ -302,7 +303,7 @@ def try_check(params: Params, spec: CandidateSpec, *, tags: list[str] | None, li
     golden_run = load_run(params.golden_dir())
     root = params.root / TRY_DIR / spec.name
     manifest = replay(spec, chosen, root / "run", golden=golden_run, executor=executor, progress=progress, force=force,
-                      baseline=params.golden_baseline(golden_run.manifest) if golden_scoring else None,
+                      baseline=params.golden_baseline(golden_run.manifest), golden_scoring=golden_scoring,
                       generation_defaults=generation_defaults(spec))
     scoring = _score(params, spec, golden_dir=None, run_dir=root / "run", out=root / "scores", golden=golden_run,
                      prompt_set=full)

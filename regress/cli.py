@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from regress import cli_help
 from regress.cli_guard import writing_project
-from regress.cli_options import ExecutorOption, ParamsOption, QueueOption
+from regress.cli_options import ExecutorOption, GoldenScoring, GoldenScoringOption, ParamsOption, QueueOption
 from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION, ConfigError
 from regress.progress import print_error, stderr_console
@@ -64,12 +64,6 @@ def _root(
 # --------------------------------------------------------------------------------------
 # validate
 # --------------------------------------------------------------------------------------
-
-
-GoldenScoringOption = typer.Option(
-    True, "--golden-scoring/--no-golden-scoring",
-    help="Sampled prompts: let the baseline score the candidate's samples (one more engine load), so both sides' "
-         "samples are judged by the golden's model; without it the candidate's own logprobs stand in.")
 
 
 @app.command()
@@ -288,7 +282,7 @@ def replay(
     force: bool = typer.Option(False, "--force", help="Run again even if an up-to-date run exists."),
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
-    golden_scoring: bool = GoldenScoringOption,
+    golden_scoring: GoldenScoring = GoldenScoringOption,
 ) -> None:
     """Run a candidate over the golden's prompts: free-running outputs plus teacher-forced logprobs."""
     from regress.checks import executor_for, ready_to_run
@@ -309,7 +303,7 @@ def replay(
             manifest = run_replay(spec, prompt_set, out_dir, golden=golden_run, shard_size=shard_size,
                                   teacher_force=teacher_force, progress=progress, force=force,
                                   executor=chosen,
-                                  baseline=p.golden_baseline(golden_run.manifest) if golden_scoring else None)
+                                  baseline=p.golden_baseline(golden_run.manifest), golden_scoring=golden_scoring.value)
         summarise_run(manifest, out_dir)
 
 
@@ -347,7 +341,7 @@ def check(
     force: bool = typer.Option(False, "--force", help="Replay again even if an up-to-date run exists."),
     executor: Optional[str] = ExecutorOption,
     queue: Optional[str] = QueueOption,
-    golden_scoring: bool = GoldenScoringOption,
+    golden_scoring: GoldenScoring = GoldenScoringOption,
     tags: Optional[list[str]] = typer.Option(None, "--tags", help="A try: only the prompts with this tag (repeatable), into try/<candidate>/."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="A try: only the first N prompts (after --tags), into try/<candidate>/."),
     quick: bool = typer.Option(False, "--quick", help="A quick check: one prefill of prompt + golden completion per prompt, nothing generated; the run-level fidelity verdict only, into quick/<candidate>/."),
@@ -375,10 +369,10 @@ def check(
             if golden_dir is not None:
                 raise ConfigError("--golden applies to full checks; a try uses params' golden", field="--golden")
             result = try_check(p, spec, tags=tags, limit=limit, executor=executor_for(p, executor, queue),
-                               progress=progress, force=force, golden_scoring=golden_scoring)
+                               progress=progress, force=force, golden_scoring=golden_scoring.value)
         else:
             result = run_check(p, spec, golden_dir=golden_dir, executor=executor_for(p, executor, queue),
-                               progress=progress, force=force, golden_scoring=golden_scoring)
+                               progress=progress, force=force, golden_scoring=golden_scoring.value)
     summarise_run(result.manifest, p.root / TRY_DIR / spec.name / "run" if trying else p.run_dir(spec.name))
     if trying:
         _out(f"a try on {result.scored.report.metrics.prompts} prompt(s), not the candidate's result: its batches "

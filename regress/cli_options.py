@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from enum import Enum
+
 import typer
 
 ParamsOption = typer.Option(Path("params.yaml"), "--params", "-p", help="The params file (baseline, candidates, thresholds).")
@@ -12,3 +14,18 @@ ExecutorOption = typer.Option(
     help="Where shards run: 'local' (this machine, no broker) or 'celery' (workers over Redis). Default: params' executor.",
 )
 QueueOption = typer.Option(None, "--queue", help="Celery queue for the shards (default: params' celery.queue).")
+
+class GoldenScoring(str, Enum):
+    """The modes of :data:`regress.metrics.sample_scorer.GOLDEN_SCORING_MODES` (kept apart so that the
+    CLI starts without loading the metrics; a test holds the two equal)."""
+
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+GoldenScoringOption = typer.Option(
+    GoldenScoring.auto, "--golden-scoring", case_sensitive=False,
+    help="Sampled prompts: who scores the candidate's samples. auto: the baseline (one more engine load), unless "
+         "the candidate's logprobs of the golden's tokens already match the golden's (within 0.02 nat/token on "
+         "every entry), when its own stand in; always: the baseline; never: the candidate's own.")

@@ -23,7 +23,7 @@ from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
 from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
-from regress.runs import RunResult, golden_scored
+from regress.runs import GOLDEN_SCORED_DIR, RunResult, golden_scored
 from regress.storage import atomic_write_text, read_record
 from regress.verdict import (NoiseJudgement, Thresholds, classify, nonfinite, run_verdict, severe,
                              verdict_basis)
@@ -245,6 +245,7 @@ def score_runs(
         nonfinite=len(broken),
         nonfinite_ids=broken,
         extra=extra,
+        sample_scoring=_sample_scoring(scores, sampled, run, golden),
         **_latency_fields(golden, run, t),
     )
     if noise is not None:  # what the noise floor changed and the run-level test, for metrics.json and the report
@@ -256,6 +257,25 @@ def score_runs(
     descriptions = {name: text for info, _ in metrics for name, text in info.outputs.items()}
     return ScoredRun(golden=gm, run=rm, thresholds=t.model_dump(), metric_descriptions=descriptions,
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
+
+
+def _sample_scoring(scores: list[PromptScore], sampled: set[str], run: RunResult, golden: RunResult) -> str | None:
+    """Whose model scored the candidate's samples, and why (RunMetrics.sample_scoring); None
+    without sampled prompts or when every sample was the golden's own."""
+    scorers = {s.metrics.get("sample_scored_by") for s in scores if s.prompt_id in sampled}
+    if "candidate" not in scorers:
+        if "golden" not in scorers:
+            return None
+        where = "golden-scored/" if (run.path / GOLDEN_SCORED_DIR).is_dir() else "each sample the golden's own"
+        return f"the baseline's model scored the candidate's samples ({where})"
+    from regress.metrics.sample_scorer import logprob_agreement
+
+    agreement = logprob_agreement(run, golden)
+    if agreement.holds:
+        return f"the candidate's own logprobs scored its samples: {agreement.describe()}"
+    return (f"the candidate's own logprobs scored its samples, with no baseline scores in the replay "
+            f"(--golden-scoring never, or a replay made without the baseline) although {agreement.describe()}: "
+            "a sampled shift may be the scorer's")
 
 
 def noise_judgement(scores: list[PromptScore], noise: NoiseFloor, t: Any,

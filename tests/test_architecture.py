@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     # L3 replay and measures
     "replay": 3, "metrics.tokens": 3, "metrics.teacher_forced": 3, "metrics.surface": 3, "metrics.answers": 3,
     "metrics.semantic": 3, "metrics.embedder": 3, "metrics.sampled": 3, "metrics.sampled_policy": 3,
-    "metrics.aggregate": 3, "scoring": 3, "noise.floor": 3, "noise.beyond": 3, "diagnosis.probes": 3, "diagnosis.attribute": 3,
+    "metrics.aggregate": 3, "metrics.sample_scorer": 3, "scoring": 3, "noise.floor": 3, "noise.beyond": 3, "diagnosis.probes": 3, "diagnosis.attribute": 3,
     # L4 orchestration
     "checks": 4, "preflight": 4, "scaffold": 4, "noise.arms": 4, "power.ladder": 4, "quick": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands

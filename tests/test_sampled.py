@@ -18,6 +18,7 @@ from conftest import run_cli
 from regress.datasets import check_prompt_set, load_prompt_set
 from regress.errors import ConfigError
 from regress.metrics.base import Pair
+from regress.metrics.sample_scorer import logprob_agreement
 from regress.metrics.sampled import group_values
 from regress.metrics.sampled_policy import prompt_units, sampled_class
 from regress.records import CandidateSpec, Generation, LogprobTrack, ResolvedSampling
@@ -224,23 +225,31 @@ def test_sampled_candidates_are_judged_as_distributions(sampled_workspace: Path,
     from regress.runs import load_run
     from regress.scoring import read_scored_run
 
-    # The baseline scores the reseeded candidate's samples; the other two are judged by their own
-    # logprobs (golden_scoring=False, `--no-golden-scoring`: same weights, the same numbers), which
-    # covers the fallback. Through the API on one warm engine (the CLI's check is tested elsewhere;
-    # its exit code is gating_failed, checked here).
-    by_golden = candidate == "reseeded"
+    # Who scores the candidate's samples, one mode each: the baseline scores the reseeded
+    # candidate's (`--golden-scoring always`), the hotter one is judged by its own logprobs
+    # (`never`: same weights, the same numbers), and the narrower one by whichever `auto` chooses
+    # from how closely its logprobs of the golden's tokens match the golden's. Through the API on
+    # one warm engine (the CLI's check is tested elsewhere; its exit code is gating_failed, checked here).
+    mode = {"reseeded": "always", "hotter": "never", "narrower": "auto"}[candidate]
     p = load_params(sampled_workspace / "params.yaml")
-    result = run_check(p, p.candidate(candidate), executor=LocalExecutor.on(warm_engines), golden_scoring=by_golden)
+    result = run_check(p, p.candidate(candidate), executor=LocalExecutor.on(warm_engines), golden_scoring=mode)
     assert (1 if result.gating_failed else 0) == code, result.scored.report.verdict_reasons
     golden = load_run(sampled_workspace / "golden")
     assert len(golden.prompt_ids) == 80 and golden.prompt_ids[:2] == ["s-00#0", "s-00#1"]
     scored = read_scored_run(sampled_workspace / "scores" / candidate)
     assert [s.prompt_id for s in scored.scores] == [f"s-{i:02d}" for i in range(len(SAMPLED_PROMPTS))]
     assert all(s.metrics["samples"] == 8 for s in scored.scores)
-    # The baseline scored the candidate's samples (one more engine load): both sides' samples are
-    # judged by the golden's model.
+    agreement = logprob_agreement(load_run(sampled_workspace / "runs" / candidate), golden)
+    # The same engine and weights on both sides: the prefill of the golden's samples gives the
+    # golden's decode logprobs to within rounding, so `auto` lets the candidate score its own.
+    assert agreement.holds, agreement.describe()
+    by_golden = mode == "always"
     assert (sampled_workspace / "runs" / candidate / "golden-scored" / "manifest.json").is_file() == by_golden
     assert {s.metrics["sample_scored_by"] for s in scored.scores} == {"golden" if by_golden else "candidate"}
+    note = scored.metrics.sample_scoring
+    assert note.startswith("the baseline's model" if by_golden else "the candidate's own logprobs"), note
+    assert by_golden or "within" in note
+    assert note in (sampled_workspace / "reports" / candidate / "index.html").read_text().replace("&#39;", "'")
     shifts = [s.metrics["sample_logprob_shift"] for s in scored.scores]
     if candidate == "reseeded":
         assert scored.metrics.regression == 0
@@ -263,7 +272,7 @@ def test_report_shows_the_samples_side_by_side(sampled_workspace: Path, browser)
 
     page_file = sampled_workspace / "reports" / "hotter" / "index.html"
     if not page_file.is_file():  # the parametrised check above made it; alone, make it here
-        assert run_cli("check", "hotter", "--no-golden-scoring", cwd=sampled_workspace).returncode in (0, 1)
+        assert run_cli("check", "hotter", "--golden-scoring", "never", cwd=sampled_workspace).returncode in (0, 1)
     p = Page(browser, page_file.as_uri() + "#prompt=s-03")
     try:
         p.page.wait_for_selector("body[data-ready='1']")

@@ -16,9 +16,13 @@ model are not meant to be equal, so this metric looks at the N samples of each s
   The candidate's samples are judged by the *golden's* model: after the candidate's replay, the
   baseline is fed each candidate sample teacher-forced (``<run>/golden-scored/``,
   :func:`regress.replay.plan.plan_golden_scoring`), so both sides' samples are scored by the same
-  model and a shift is the sampler's doing or the candidate model's, never a scorer's. A replay
-  without those scores (made by hand without the baseline) falls back to the candidate's own
-  logprobs, which is the same thing when both run the same weights; ``sample_scored_by`` says which.
+  model and a shift is the sampler's doing or the candidate model's, never a scorer's. That costs a
+  second engine, so it is skipped where it can tell nothing: when the candidate's logprobs of the
+  golden's tokens match the golden's on every entry (:mod:`regress.metrics.sample_scorer`), its
+  own logprobs of its samples are the baseline's and stand in. A replay without those scores
+  (``--golden-scoring never``, or made by hand without the baseline) falls back to the
+  candidate's own logprobs too; ``sample_scored_by`` says which, and the run's
+  ``sample_scoring`` why.
   ``sample_likely_share`` is the share of candidate samples at least as likely per token as the
   golden's least likely one.
 - **How varied they are**: distinct outputs among the N on each side.
@@ -84,7 +88,8 @@ _OUTPUTS = [
     Output("sample_likely_share", "share of the candidate's samples at least as likely per token as the golden's "
            "least likely sample", label="likely share", format="pct", better="higher", nonfinite="regression"),
     Output("sample_scored_by", "whose model scored the candidate's samples: 'golden' (the baseline fed them "
-           "teacher-forced, golden-scored/) or 'candidate' (its own logprobs, when the replay has no golden scores)"),
+           "teacher-forced, golden-scored/) or 'candidate' (its own logprobs: they matched the golden's, or the "
+           "replay has no golden scores; the run's sample_scoring says which)"),
     Output("sample_logprob_shift", "candidate minus golden mean logprob per token of their samples: below 0, the "
            "candidate samples less likely tokens (hotter, wider top-p); above 0, likelier ones",
            label="logprob shift", headline=20, nonfinite="regression",

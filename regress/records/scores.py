@@ -241,6 +241,10 @@ class RunMetrics(_Record):
     mean_sample_logprob_shift: float | None = None
     """Sampled prompts (``samples:``): mean over them of the candidate-minus-golden mean logprob per
     token of their samples (below 0: the candidate samples hotter); None without sampled prompts."""
+    sample_scoring: str | None = Field(None, exclude_if=lambda v: v is None)
+    """Sampled prompts: whose model scored the candidate's samples (the baseline's, ``golden-scored/``,
+    or the candidate's own) and why (:mod:`regress.metrics.sample_scorer`); left out of the file
+    without sampled prompts."""
     noise_floor: NoiseApplied | None = Field(None, exclude_if=lambda v: v is None)
     """The baseline's measured noise floor applied to this scoring (``golden/noise.json``): arms,
     floor per measure, the bounds in force and the prompts noisy on the baseline itself; left out

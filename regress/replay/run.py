@@ -33,6 +33,7 @@ def replay(
     baseline: CandidateSpec | None = None,
     generation_defaults: dict[str, Any] | None = None,
     generate: bool = True,
+    golden_scoring: str = "auto",
 ) -> RunManifest:
     """Run ``candidate`` over ``prompt_set`` into ``out_dir``; with ``golden``, a replay against it.
 
@@ -43,7 +44,11 @@ def replay(
     ``baseline`` (the golden's candidate, as configured): when the prompt set has sampled prompts,
     the baseline then scores the candidate's samples teacher-forced into
     ``<out_dir>/golden-scored/`` (:func:`~regress.replay.plan.plan_golden_scoring`): how likely the
-    golden's model finds what the candidate sampled. One more engine load, only for sampled prompts.
+    golden's model finds what the candidate sampled. One more engine load, only for sampled prompts,
+    and with ``golden_scoring="auto"`` only when the candidate's logprobs of the golden's tokens
+    are not the golden's (:func:`regress.metrics.sample_scorer.logprob_agreement`): where they
+    agree, its own logprobs of its samples are the baseline's and the engine is not started.
+    ``"always"`` has the baseline score them regardless.
 
     ``generation_defaults``: the candidate's generation_config defaults when the caller has read
     them (:func:`regress.effective.generation_defaults`; None: the plan reads them).
@@ -51,19 +56,32 @@ def replay(
     ``generate=False``: prefill only (a quick check, :mod:`regress.quick`): the golden's
     completions teacher-forced, nothing generated, sampled prompts left out.
     """
+    from regress.metrics.sample_scorer import GOLDEN_SCORING_MODES
+
+    if golden_scoring not in GOLDEN_SCORING_MODES:
+        raise ValueError(f"golden_scoring {golden_scoring!r}: one of {', '.join(GOLDEN_SCORING_MODES)}")
     out_dir = Path(out_dir)
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force,
                        generation_defaults=generation_defaults, generate=generate)
     manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
-    if golden is not None and baseline is not None and candidate.name != baseline.name and generate:
+    if golden is not None and baseline is not None and candidate.name != baseline.name and generate \
+            and golden_scoring != "never":
+        from regress.metrics.sample_scorer import logprob_agreement
         from regress.runs import load_run
 
-        scoring = plan_golden_scoring(baseline, prompt_set, load_run(out_dir), golden=golden)
+        run = load_run(out_dir)
+        scoring = plan_golden_scoring(baseline, prompt_set, run, golden=golden)
         if scoring is not None:
-            progress.status(f"the baseline '{baseline.name}' scores the candidate's samples")
-            execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress, force=force)
+            agreement = logprob_agreement(run, golden) if golden_scoring == "auto" else None
+            if agreement is not None and agreement.holds:
+                progress.status(f"the candidate scores its own samples: {agreement.describe()}")
+            else:
+                progress.status(f"the baseline '{baseline.name}' scores the candidate's samples"
+                                + (f" ({agreement.describe()})" if agreement is not None else ""))
+                execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress,
+                             force=force)
     return manifest
 
 

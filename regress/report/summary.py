@@ -168,6 +168,8 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
         lines += ["", f"**Run-level test:** {md_text(m.noise_test.summary)}."]
     if m.verdict_basis:
         lines += ["", f"**The verdict rests on** {md_text(m.verdict_basis)}."]
+    if m.sample_scoring:
+        lines += ["", f"**Sampled prompts:** {md_text(m.sample_scoring)}."]
     if m.detection_power is not None:
         stale = "" if m.detection_power.current else " (measured with other thresholds: run `regress power` again)"
         lines += ["", f"**Detection power:** {md_text(m.detection_power.summary)}{stale}"]
