@@ -50,10 +50,11 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
     from regress.report.overview import measures
 
     # The run's measures as the metrics declare them (label, format, order), plugins' included.
-    # A quick check generated nothing: what it has is teacher-forced, and no speed to compare.
+    # A quick check generated nothing: what it has is teacher-forced (no exact match of outputs to
+    # speak of), and no speed to compare.
     prefill = report.run.prefill_only
     shown = ", ".join(f"{x.label} {x.value}" for x in measures(m)
-                      if not (prefill and (x.value == "—" or x.label == "exact match")))
+                      if not (prefill and (x.value == "—" or x.key == "exact_match_rate")))
     decision = "FAIL" if m.gating_failed else "PASS"
     verdicts = f"fidelity {m.verdict.upper()}, quality {(m.quality_verdict or 'n/a').upper()}"
     speed = (f"  prefill only: {report.run.timings.teacher_forcing_s:.1f} s, engine load {m.engine_load_s:.1f} s"

@@ -120,8 +120,8 @@ def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: 
     (and again when the prompt set, the baseline or an arm changes: their plans' fingerprints),
     then reused; the floor is scored from them each time (seconds), so it always follows the arms
     in force."""
-    from regress.noise.arms import arm_result, arm_setup
-    from regress.noise.floor import ARMS_DIR, build_floor, load_floor, write_floor
+    from regress.noise.arms import run_arms
+    from regress.noise.floor import load_floor
     from regress.replay import replay
     from regress.runs import load_run
 
@@ -133,19 +133,8 @@ def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: 
     reference = load_run(ref_dir)
     if params.noise is None:
         return reference, None
-    size, concurrency = golden.manifest.layout.shard_size, baseline.server.concurrency if baseline.server else 1
-    results = []
-    for arm in params.noise.arms:
-        spec, arm_size = arm_setup(baseline, arm, size, concurrency)
-        if progress is not None:
-            progress.status(f"prefill-only noise arm '{arm.key}': {arm.changed(size, concurrency)}")
-        out = ref_dir / ARMS_DIR / arm.key
-        manifest = replay(spec, prompt_set, out, golden=golden, shard_size=arm_size, generate=False,
-                          executor=executor, progress=progress, force=force)
-        scored = score_quick(reference, golden, load_run(out), t)
-        results.append((arm_result(arm, size, concurrency, manifest, scored), scored))
-    floor = build_floor(reference.manifest.run_id, results, k=params.noise.k, q=params.noise.quantile)
-    write_floor(floor, ref_dir)
+    run_arms(baseline, prompt_set, golden.path, params.noise, executor=executor, progress=progress, force=force,
+             generate=False, reference=reference, score=lambda run: score_quick(reference, golden, run, t))
     return reference, load_floor(ref_dir, reference.manifest.run_id)
 
 

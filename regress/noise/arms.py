@@ -2,12 +2,15 @@
 
 Each arm is a normal, resumable replay into ``golden/noise-arms/<arm>/`` (teacher-forced, with
 the arm's shard size), then scored against the golden with the configured thresholds; the
-arms' scores make ``golden/noise.json`` (:func:`regress.noise.floor.build_floor`).
+arms' scores make ``golden/noise.json`` (:func:`regress.noise.floor.build_floor`). A quick
+check's floor (:mod:`regress.quick`) is the same loop with prefill-only arms, under the
+baseline's prefill reference and scored against it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from regress.noise.floor import ARMS_DIR, NoiseArmResult, NoiseFloor, build_floor, write_floor
@@ -16,7 +19,9 @@ from regress.noise.settings import NoiseSettings
 if TYPE_CHECKING:
     from regress.datasets import PromptSet
     from regress.records import CandidateSpec
+    from regress.records import ScoredRun
     from regress.replay import Executor, ProgressSink
+    from regress.runs import RunResult
 
 
 def arm_dir(golden_dir: str | Path, key: str) -> Path:
@@ -84,11 +89,18 @@ def run_arms(
     force: bool = False,
     metrics: list[tuple[Any, Any]] | None = None,
     write: bool = True,
+    generate: bool = True,
+    reference: "RunResult | None" = None,
+    score: "Callable[[RunResult], ScoredRun] | None" = None,
 ) -> NoiseFloor:
     """Replay the baseline under every arm of ``settings`` against the golden in ``golden_dir``,
     score each, and build (and, with ``write``, store as ``golden/noise.json``) the floor.
 
     Finished arms of the same plan are reused (``force`` reruns them), interrupted ones resume.
+
+    A quick check's floor: ``generate=False`` (the arms prefill the golden's completions only),
+    ``reference`` (the baseline's own prefill: the arms' runs go under it, and the floor is its,
+    written beside it) and ``score`` (how an arm's run is scored: against that reference).
     """
     from regress.replay import replay
     from regress.runs import load_run
@@ -97,20 +109,27 @@ def run_arms(
 
     t = thresholds or Thresholds()
     golden = load_run(golden_dir)
+    owner = reference if reference is not None else golden
     golden_size = golden.manifest.layout.shard_size
-    metrics = metrics if metrics is not None else build_metrics(t)
+    if score is None:
+        metrics = metrics if metrics is not None else build_metrics(t)
+
+        def score(run: "RunResult") -> "ScoredRun":
+            return score_runs(golden, run, t, expected=expected, metrics=metrics)
+
     results = []
     golden_concurrency = baseline.server.concurrency if baseline.server is not None else 1
     for arm in settings.arms:
-        out = arm_dir(golden_dir, arm.key)
+        out = arm_dir(owner.path, arm.key)
         spec, size = arm_setup(baseline, arm, golden_size, golden_concurrency)
         if progress is not None:
-            progress.status(f"noise arm '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
-        manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size,
+            kind = "noise arm" if generate else "prefill-only noise arm"
+            progress.status(f"{kind} '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
+        manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size, generate=generate,
                           executor=executor, progress=progress, force=force)
-        scored = score_runs(golden, load_run(out), t, expected=expected, metrics=metrics)
+        scored = score(load_run(out))
         results.append((arm_result(arm, golden_size, golden_concurrency, manifest, scored), scored))
-    floor = build_floor(golden.manifest.run_id, results, k=settings.k, q=settings.quantile)
+    floor = build_floor(owner.manifest.run_id, results, k=settings.k, q=settings.quantile)
     if write:
-        write_floor(floor, golden_dir)
+        write_floor(floor, owner.path)
     return floor

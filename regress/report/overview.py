@@ -70,6 +70,8 @@ class Measure:
     help: str
     floor: str = ""
     """The baseline's own noise floor of this measure, when one was applied ('' otherwise)."""
+    key: str = ""
+    """The RunMetrics field (or ``extra`` key) it shows: what code picks a measure by, never its label."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,8 @@ def counts(m: RunMetrics) -> list[Count]:
 def measures(m: RunMetrics) -> list[Measure]:
     """Exact match, then every aggregated metric value in its spec's order: those with a
     RunMetrics field always (— when the metric did not run), plugins' when in ``m.extra``."""
-    rows = [Measure("exact match", fmt(m.exact_match_rate, "pct"), "prompts with exactly the golden's tokens")]
+    rows = [Measure("exact match", fmt(m.exact_match_rate, "pct"), "prompts with exactly the golden's tokens",
+                    key="exact_match_rate")]
     specs = sorted((s for s in output_specs() if s.aggregate_key), key=lambda s: s.aggregate.rank)  # type: ignore[union-attr]
     listed = set()
     for spec in specs:
@@ -193,9 +196,9 @@ def measures(m: RunMetrics) -> list[Measure]:
             continue
         floor = m.noise_floor.floor.get(spec.name) if m.noise_floor is not None else None
         rows.append(Measure(a.label or spec.shown_label, fmt(value, spec.format), a.doc or spec.doc,
-                            "" if floor is None else fmt(floor, spec.format)))
+                            "" if floor is None else fmt(floor, spec.format), key=key))
     # Aggregates of a metric not installed here: shown under their own name.
-    rows += [Measure(key, fmt(value), key) for key, value in m.extra.items() if key not in listed]
+    rows += [Measure(key, fmt(value), key, key=key) for key, value in m.extra.items() if key not in listed]
     return rows
 
 
