@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from enum import Enum
+from pathlib import Path
 
 import typer
 
@@ -14,6 +13,7 @@ ExecutorOption = typer.Option(
     help="Where shards run: 'local' (this machine, no broker) or 'celery' (workers over Redis). Default: params' executor.",
 )
 QueueOption = typer.Option(None, "--queue", help="Celery queue for the shards (default: params' celery.queue).")
+
 
 class GoldenScoring(str, Enum):
     """The modes of :data:`regress.metrics.sample_scorer.GOLDEN_SCORING_MODES` (kept apart so that the

@@ -23,7 +23,7 @@ from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
 from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
-from regress.runs import GOLDEN_SCORED_DIR, RunResult, golden_scored
+from regress.runs import RunResult, golden_scored
 from regress.storage import atomic_write_text, read_record
 from regress.verdict import (NoiseJudgement, Thresholds, classify, nonfinite, run_verdict, severe,
                              verdict_basis)
@@ -245,7 +245,7 @@ def score_runs(
         nonfinite=len(broken),
         nonfinite_ids=broken,
         extra=extra,
-        sample_scoring=_sample_scoring(scores, sampled, run, golden),
+        sample_scoring=_sample_scoring(scores, sampled, run, golden, by_golden is not None),
         **_latency_fields(golden, run, t),
     )
     if noise is not None:  # what the noise floor changed and the run-level test, for metrics.json and the report
@@ -259,14 +259,15 @@ def score_runs(
                      metrics=run_metrics, verdict_reasons=verdict_reasons, scores=scores)
 
 
-def _sample_scoring(scores: list[PromptScore], sampled: set[str], run: RunResult, golden: RunResult) -> str | None:
+def _sample_scoring(scores: list[PromptScore], sampled: set[str], run: RunResult, golden: RunResult,
+                    baseline_scored: bool) -> str | None:
     """Whose model scored the candidate's samples, and why (RunMetrics.sample_scoring); None
-    without sampled prompts or when every sample was the golden's own."""
+    without sampled prompts. ``baseline_scored``: the replay holds the baseline's scores."""
     scorers = {s.metrics.get("sample_scored_by") for s in scores if s.prompt_id in sampled}
     if "candidate" not in scorers:
         if "golden" not in scorers:
             return None
-        where = "golden-scored/" if (run.path / GOLDEN_SCORED_DIR).is_dir() else "each sample the golden's own"
+        where = "golden-scored/" if baseline_scored else "each sample the golden's own"
         return f"the baseline's model scored the candidate's samples ({where})"
     from regress.metrics.sample_scorer import logprob_agreement
 

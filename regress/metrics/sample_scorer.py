@@ -89,9 +89,9 @@ def logprob_agreement(run: Any, golden: Any, tolerance: float = OWN_SCORING_TOLE
     """The candidate ``run``'s logprobs of the golden's tokens against the golden's own, entry by
     entry (both :class:`regress.runs.RunResult`). A token reported impossible (-inf) on both sides
     is equal; a NaN, or -inf on one side, makes the entry's difference NaN (no agreement)."""
-    compared = tokens = 0
+    means: list[tuple[float, str]] = []  # (mean |difference| per token, entry id); NaN when not finite
+    tokens = 0
     total = 0.0
-    worst, worst_id = -1.0, None
     for entry_id in run.prompt_ids:
         if entry_id not in golden:
             continue
@@ -106,13 +106,12 @@ def logprob_agreement(run: Any, golden: Any, tolerance: float = OWN_SCORING_TOLE
         both_impossible = np.isneginf(mine) & np.isneginf(theirs)
         with np.errstate(invalid="ignore"):  # -inf - -inf: equal, set to 0 just below
             diff = np.abs(np.where(both_impossible, 0.0, mine - theirs))
-        mean = float(diff.mean()) if math.isfinite(float(diff.sum())) else math.nan
-        compared += 1
+        summed = float(diff.sum())
+        means.append((summed / diff.size if math.isfinite(summed) else math.nan, entry_id))
         tokens += diff.size
-        total = total + float(diff.sum()) if math.isfinite(mean) else math.nan
-        if not math.isfinite(mean) or (math.isfinite(worst) and mean > worst):
-            if math.isfinite(worst):  # the first NaN stays the worst
-                worst, worst_id = mean, entry_id
-    return LogprobAgreement(compared=compared, tokens=tokens, worst_entry=worst_id,
-                            worst_mean_abs=worst if compared else math.nan,
-                            mean_abs=(total / tokens) if tokens else math.nan, tolerance=tolerance)
+        total += summed
+    broken = [m for m in means if not math.isfinite(m[0])]
+    worst = broken[0] if broken else max(means, default=(math.nan, None))
+    return LogprobAgreement(compared=len(means), tokens=tokens, worst_entry=worst[1], worst_mean_abs=worst[0],
+                            mean_abs=(total / tokens) if tokens and math.isfinite(total) else math.nan,
+                            tolerance=tolerance)

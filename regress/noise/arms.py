@@ -9,8 +9,8 @@ baseline's prefill reference and scored against it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from regress.noise.floor import ARMS_DIR, NoiseArmResult, NoiseFloor, build_floor, write_floor
@@ -18,8 +18,7 @@ from regress.noise.settings import NoiseSettings
 
 if TYPE_CHECKING:
     from regress.datasets import PromptSet
-    from regress.records import CandidateSpec
-    from regress.records import ScoredRun
+    from regress.records import CandidateSpec, ScoredRun
     from regress.replay import Executor, ProgressSink
     from regress.runs import RunResult
 
