@@ -87,6 +87,7 @@ class EngineProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._shim: tempfile.TemporaryDirectory[str] | None = None
         self._buffer = b""
+        self._launched = 0.0
         self.info: EngineInfo = {}
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -96,6 +97,12 @@ class EngineProcess:
 
         With ``vocab_out``, the engine also writes every token id's text there (for reports).
         """
+        self.launch(vocab_out)
+        return self.wait_loaded()
+
+    def launch(self, vocab_out: Path | None = None) -> None:
+        """Start the process and send it the load request without waiting for the engine: it
+        imports and loads while the caller goes on (:meth:`wait_loaded` collects its reply)."""
         remove_stale_shims()
         self._shim = tempfile.TemporaryDirectory(prefix=f"{SHIM_PREFIX}{os.getpid()}-")
         env = _prepare_shim(self.candidate, Path(self._shim.name))
@@ -115,7 +122,14 @@ class EngineProcess:
         register_child(self._proc.pid, group=True)
         load = LoadRequest(spec=_absolute_paths(self.candidate.engine_spec()),
                            vocab_out=str(Path(vocab_out).resolve()) if vocab_out is not None else None)
-        self.info = self.request(load, LoadReply, timeout_s=self.load_timeout_s, what="engine start").info
+        self._launched = time.monotonic()
+        self._send(load, "engine start")
+
+    def wait_loaded(self) -> EngineInfo:
+        """The engine's reply to :meth:`launch`'s load request (its facts for the manifest); the
+        load timeout counts from the launch."""
+        deadline = self._launched + self.load_timeout_s
+        self.info = self._await(LoadReply, "load", deadline=deadline, what="engine start").info
         return self.info
 
     def run_shard(self, request: ShardRequest, *, timeout_s: float | None = None,
@@ -156,6 +170,30 @@ class EngineProcess:
             self._shim.cleanup()
             self._shim = None
 
+    def abandon(self) -> None:
+        """Stop a launched engine that will not be used, at once (it may still be importing: it
+        would read an exit request only once loaded), and remove its log."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            self.kill(proc)
+            unregister_child(proc.pid)
+        if self._shim is not None:
+            self._shim.cleanup()
+            self._shim = None
+        self.log_path.unlink(missing_ok=True)
+
+    def move_log(self, path: Path) -> None:
+        """Have the engine's log continue at ``path``: the file is renamed, and the process keeps
+        writing to it. On another filesystem the log stays where it is (errors name it)."""
+        if path == self.log_path:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(self.log_path, path)
+        except OSError:
+            return
+        self.log_path = path
+
     @staticmethod
     def kill(proc: subprocess.Popen[bytes]) -> None:
         try:
@@ -187,6 +225,11 @@ class EngineProcess:
     ) -> R:
         """Send one request and wait for its reply (of type ``expected``), passing progress
         events to ``on_progress``."""
+        self._send(message, what)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return self._await(expected, message.op, deadline=deadline, on_progress=on_progress, what=what)
+
+    def _send(self, message: Request, what: str) -> None:
         proc = self._proc
         if proc is None:
             raise EngineError("the engine process is not running", candidate=self.candidate.name)
@@ -196,7 +239,11 @@ class EngineProcess:
             proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise self._died(what) from exc
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def _await(self, expected: type[R], op: str, *, deadline: float | None,
+               on_progress: ProgressHandler | None = None, what: str = "request") -> R:
+        if self._proc is None:
+            raise EngineError("the engine process is not running", candidate=self.candidate.name)
         while True:
             line = self._read_line(deadline, what)
             try:
@@ -210,7 +257,7 @@ class EngineProcess:
             if isinstance(reply, ErrorReply):
                 raise self._failed(what, reply)
             if not isinstance(reply, expected):
-                raise self._malformed(what, f"a '{reply.op}' reply came to a '{message.op}' request")
+                raise self._malformed(what, f"a '{reply.op}' reply came to a '{op}' request")
             return reply
 
     def _failed(self, what: str, reply: ErrorReply) -> InputError | EngineError:

@@ -70,6 +70,7 @@ class WarmEngines:
         self.failure_ttl_s = failure_ttl_s
         self._warm: dict[str, WarmEngine] = {}
         self._start_failures: dict[str, tuple[float, RegressError]] = {}
+        self._launched: dict[str, tuple[EngineProcess, str | None, float]] = {}
         self.loads = 0
 
     def __enter__(self) -> "WarmEngines":
@@ -79,9 +80,42 @@ class WarmEngines:
         self.close()
 
     def close(self) -> None:
+        while self._launched:
+            _, (engine, _, _) = self._launched.popitem()
+            engine.abandon()
         while self._warm:
             _, warm = self._warm.popitem()
             warm.engine.close()
+
+    def prestart(self, spec: CandidateSpec, *, log: Path, load_timeout_s: float | None = None) -> bool:
+        """Start ``spec``'s engine in the background, for an :meth:`acquire` that may come later:
+        its imports and load overlap what the caller does meanwhile. Nothing is built: False
+        (and nothing started) when its environment does not exist yet or it is already there.
+        It does not count against ``keep`` until acquired; :meth:`close` stops it if never used."""
+        from regress.envs import EnvSpec, find_env
+        from regress.records.candidate import CURRENT_ENVIRONMENT
+
+        key = configuration_key(spec)
+        if key in self._warm or key in self._launched:
+            return False
+        try:
+            if spec.package == CURRENT_ENVIRONMENT:
+                python, environment = python_for(spec)[0], None
+            else:
+                env = find_env(EnvSpec.for_candidate(spec), who=f"candidate '{spec.name}': ")
+                if env is None:
+                    return False
+                python, environment = env.python, str(env.path)
+        except RegressError:
+            return False  # acquire() says what is wrong with it, as it would without a prestart
+        engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
+        try:
+            engine.launch()
+        except BaseException:
+            engine.close()
+            raise
+        self._launched[key] = (engine, environment, time.monotonic())
+        return True
 
     def acquire(self, spec: CandidateSpec, *, log: Path, vocab_out: Path | None = None,
                 load_timeout_s: float | None = None,
@@ -104,15 +138,30 @@ class WarmEngines:
         while len(self._warm) >= self.keep:
             oldest = next(iter(self._warm))
             self._warm.pop(oldest).engine.close()
-        status(f"preparing environment for {spec.package}")
-        with phase("environment", spec.package):
-            python, env, _ = python_for(spec, on_line=lambda line: status(f"pip: {line[:100]}"))
-        status(f"loading engine for '{spec.name}' ({spec.backend}, {spec.dtype})")
-        engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
-        started = time.monotonic()
+        launched = self._launched.pop(key, None)
+        if launched is not None:
+            engine, environment, started = launched
+            engine.move_log(log)
+            status(f"engine for '{spec.name}' started in the background; waiting for it to load")
+        else:
+            status(f"preparing environment for {spec.package}")
+            with phase("environment", spec.package):
+                python, env, _ = python_for(spec, on_line=lambda line: status(f"pip: {line[:100]}"))
+            environment = str(env.path) if env is not None else None
+            status(f"loading engine for '{spec.name}' ({spec.backend}, {spec.dtype})")
+            engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
+            started = time.monotonic()
         try:
             with phase("engine_start", f"candidate '{spec.name}'"):
-                info = dict(engine.start(vocab_out=vocab_out))
+                if launched is None:
+                    info = dict(engine.start(vocab_out=vocab_out))
+                else:
+                    info = dict(engine.wait_loaded())
+                    if vocab_out is not None:
+                        try:
+                            engine.write_vocabulary(vocab_out)
+                        except EngineError:
+                            pass  # as for a reused engine: the report only loses its token texts
         except (EngineError, InputError) as exc:
             engine.close()
             if self.failure_ttl_s is not None and not getattr(exc, "retryable", False):
@@ -123,8 +172,7 @@ class WarmEngines:
             raise
         self._start_failures.pop(key, None)
         self.loads += 1
-        warm = WarmEngine(engine, info, str(env.path) if env is not None else None,
-                          float(info.get("engine_load_s", time.monotonic() - started)))
+        warm = WarmEngine(engine, info, environment, float(info.get("engine_load_s", time.monotonic() - started)))
         self._warm[key] = warm
         return warm, True
 
@@ -140,8 +188,15 @@ class WarmEngines:
                           f"{age:.0f} s ago; next attempt after {self.failure_ttl_s:.0f} s]",
                           candidate=spec.name, retryable=False)
 
+    def drop_launched(self, spec: CandidateSpec) -> None:
+        """Stop ``spec``'s engine if :meth:`prestart` started it and nothing acquired it."""
+        launched = self._launched.pop(configuration_key(spec), None)
+        if launched is not None:
+            launched[0].abandon()
+
     def discard(self, spec: CandidateSpec) -> None:
         """Close and forget ``spec``'s engine (it died; the next :meth:`acquire` starts another)."""
+        self.drop_launched(spec)
         warm = self._warm.pop(configuration_key(spec), None)
         if warm is not None:
             warm.engine.close()
