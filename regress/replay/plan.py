@@ -253,8 +253,9 @@ def plan_golden_scoring(baseline: CandidateSpec, prompt_set: PromptSet, run: Run
                         golden: RunResult | None = None, shard_size: int | None = None) -> ReplayPlan | None:
     """The baseline scoring a candidate run's samples: every sample of a sampled prompt, fed to the
     baseline teacher-forced (prompt + the candidate's sample), so that the golden's model says how
-    likely it finds what the candidate sampled. Generation is cut to one token (only the
-    teacher-forced logprobs are used). None when the prompt set has no sampled prompt, or when
+    likely it finds what the candidate sampled. Its shards are prefill only (nothing is generated:
+    only the teacher-forced logprobs are used), after the prompt as the baseline renders it, the
+    context the golden's own samples were drawn in. None when the prompt set has no sampled prompt, or when
     every sample is the ``golden``'s own (same prompt ids, same tokens): the golden's free run
     already holds its model's logprobs of those (:func:`regress.metrics.sampled.candidate_track`),
     and the engine load is saved.
@@ -324,7 +325,8 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
                 row = golden.position(e.id)
                 pairs.append([golden.prompt_token_ids(row).tolist(), golden.output_token_ids(row).tolist()])
         fingerprint = _shard_fingerprint(plan_fingerprint, shard.index, inputs, pairs)
-        tasks.append(ShardTask(shard.index, inputs, pairs, fingerprint, generate=purpose != PREFILL_ONLY))
+        tasks.append(ShardTask(shard.index, inputs, pairs, fingerprint,
+                               generate=purpose not in (PREFILL_ONLY, GOLDEN_SCORING)))
     return ReplayPlan(
         run_id=uuid.uuid4().hex,
         kind="golden" if golden is None else "replay",

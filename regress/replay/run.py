@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from regress.datasets import PromptSet
 from regress.errors import RunError
@@ -65,24 +67,71 @@ def replay(
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force,
                        generation_defaults=generation_defaults, generate=generate)
-    manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
-    if golden is not None and baseline is not None and candidate.name != baseline.name and generate \
-            and golden_scoring != "never":
-        from regress.metrics.sample_scorer import logprob_agreement
-        from regress.runs import load_run
-
-        run = load_run(out_dir)
-        scoring = plan_golden_scoring(baseline, prompt_set, run, golden=golden)
-        if scoring is not None:
-            agreement = logprob_agreement(run, golden) if golden_scoring == "auto" else None
-            if agreement is not None and agreement.holds:
-                progress.status(f"the candidate scores its own samples: {agreement.describe()}")
-            else:
-                progress.status(f"the baseline '{baseline.name}' scores the candidate's samples"
-                                + (f" ({agreement.describe()})" if agreement is not None else ""))
-                execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress,
-                             force=force)
+    scores_samples = (golden is not None and baseline is not None and candidate.name != baseline.name and generate
+                      and golden_scoring != "never")
+    # The early start pays off where the baseline will score: always when asked, and under `auto`
+    # when the candidate changes a setting of the baseline's own engine package (a quantization, a
+    # KV-cache dtype: its logprobs differ by design). Another release's usually agree, and beside
+    # its start an unneeded engine only slows it (measured in docs/benchmarks.md).
+    early = scores_samples and (golden_scoring == "always" or candidate.package == baseline.package)
+    with _baseline_started_early(executor, baseline if early else None, plan, out_dir, force) as executor:
+        manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
+        if scores_samples:
+            assert golden is not None and baseline is not None
+            _score_samples(baseline, prompt_set, out_dir, golden=golden, golden_scoring=golden_scoring,
+                           executor=executor, progress=progress, force=force)
     return manifest
+
+
+def _score_samples(baseline: CandidateSpec, prompt_set: PromptSet, out_dir: Path, *, golden: RunResult,
+                   golden_scoring: str, executor: Executor, progress: ProgressSink, force: bool) -> None:
+    """The baseline scores the candidate run's samples into ``<out_dir>/golden-scored/`` unless
+    none needs it or (``auto``) the candidate's logprobs are the golden's."""
+    from regress.metrics.sample_scorer import logprob_agreement
+    from regress.runs import load_run
+
+    run = load_run(out_dir)
+    scoring = plan_golden_scoring(baseline, prompt_set, run, golden=golden)
+    if scoring is None:
+        return
+    agreement = logprob_agreement(run, golden) if golden_scoring == "auto" else None
+    if agreement is not None and agreement.holds:
+        if isinstance(executor, LocalExecutor) and executor.engines is not None:
+            executor.engines.drop_launched(baseline)  # started early for nothing: stop it now
+        progress.status(f"the candidate scores its own samples: {agreement.describe()}")
+        return
+    progress.status(f"the baseline '{baseline.name}' scores the candidate's samples"
+                    + (f" ({agreement.describe()})" if agreement is not None else ""))
+    execute_plan(scoring, out_dir / GOLDEN_SCORED_DIR, executor=executor, progress=progress, force=force)
+
+
+@contextmanager
+def _baseline_started_early(executor: Executor, baseline: CandidateSpec | None, plan: ReplayPlan, out_dir: Path,
+                            force: bool) -> Iterator[Executor]:
+    """The executor to replay on, with the baseline's engine already starting when it will likely
+    score the candidate's samples: a local run whose plan has sampled prompts and work to do.
+    vLLM's imports are most of an engine start and run on one core, so the baseline's load
+    overlaps the candidate's own start instead of following its replay (measured in
+    docs/benchmarks.md); when it is not needed it is stopped. Otherwise ``executor`` as it is."""
+    samples = any(p["sampling"].get("samples") for task in plan.tasks for p in task.prompts)
+    if baseline is None or not samples or not isinstance(executor, LocalExecutor) \
+            or (not force and up_to_date_run(out_dir, plan) is not None):
+        yield executor
+        return
+    from regress.replay.warm import WarmEngines
+
+    own = executor.engines is None
+    engines = WarmEngines(keep=1, shard_timeout_s=executor.shard_timeout_s) if own else executor.engines
+    assert engines is not None
+    try:
+        engines.prestart(baseline, log=out_dir.parent / f".{out_dir.name}.{GOLDEN_SCORED_DIR}.{os.getpid()}.log")
+        yield LocalExecutor(max_restarts=executor.max_restarts, shard_timeout_s=executor.shard_timeout_s,
+                            engines=engines)
+    finally:
+        if own:
+            engines.close()
+        else:
+            engines.drop_launched(baseline)
 
 
 def execute_plan(plan: ReplayPlan, out_dir: Path, *, executor: Executor, progress: ProgressSink,

@@ -24,14 +24,19 @@ class _Tokenizer:
 
 
 class EchoBackend(EngineBackend):
-    """Returns the first bytes of the prompt as 'tokens'. Dies with SIGILL on the shard given by
+    """Returns the first bytes of the prompt as 'tokens' (each plus FAKE_OUTPUT_OFFSET, modulo
+    256, when set: another candidate's outputs). Dies with SIGILL on the shard given by
     FAKE_CRASH_ON_SHARD the first time only (a marker file in FAKE_CRASH_MARKER_DIR records it),
-    or on every shard when FAKE_CRASH_ALWAYS=1."""
+    or on every shard when FAKE_CRASH_ALWAYS=1. FAKE_LOAD_DELAY_S: a slow load (seconds)."""
 
     name = "echo"
 
     def load(self) -> dict[str, Any]:
         self.shards_seen = 0
+        if os.environ.get("FAKE_LOAD_DELAY_S"):
+            import time
+
+            time.sleep(float(os.environ["FAKE_LOAD_DELAY_S"]))
         return {"resolved_path": None, "dtype": "none", "engine_args": {}}
 
     def get_tokenizer(self) -> Any:
@@ -52,7 +57,8 @@ class EchoBackend(EngineBackend):
         self.shards_seen += 1
         out = []
         for r in requests:
-            ids = r.prompt_token_ids[: r.sampling["max_tokens"]]
+            offset = int(os.environ.get("FAKE_OUTPUT_OFFSET", "0"))
+            ids = [(t + offset) % 256 for t in r.prompt_token_ids[: r.sampling["max_tokens"]]]
             k = r.sampling["logprobs"]
             rows = LogprobRows(np.full(len(ids), -0.5, np.float32), np.tile(np.arange(k, dtype=np.int32), (len(ids), 1)),
                                np.tile(-np.arange(1, k + 1, dtype=np.float32), (len(ids), 1)))
