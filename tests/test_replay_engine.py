@@ -100,12 +100,15 @@ def test_hf_reference_runs_and_loads_through_the_same_reader(workspace, golden_d
             assert np.array_equal(r.teacher_forced.token_logprobs, r.free_run.token_logprobs)
             continue
         # Up to the first divergence the run decoded the golden's tokens itself: its prefill of
-        # them agrees with that decode but for rounding.
+        # them agrees with that decode but for rounding. The bound is one bf16 step of a logit
+        # between 16 and 32 (the lm_head's output is bf16: a logit near 10 moves in steps of
+        # 0.0625, and the prefill and the decode may round it apart; 0.060 was seen on an Intel
+        # host without AMX). A track off by one position, or another model's, is nats away.
         same = 0
         while same < min(len(r.output_token_ids), len(g.output_token_ids)) and \
                 r.output_token_ids[same] == g.output_token_ids[same]:
             same += 1
-        assert np.abs(r.teacher_forced.token_logprobs[:same] - r.free_run.token_logprobs[:same]).max(initial=0) < 0.05
+        assert np.abs(r.teacher_forced.token_logprobs[:same] - r.free_run.token_logprobs[:same]).max(initial=0) < 0.125
 
 
 def test_a_quick_try_on_some_prompts_touches_nothing_of_the_pipeline(workspace, golden_dir, same_run):
