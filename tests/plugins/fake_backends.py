@@ -56,8 +56,8 @@ class EchoBackend(EngineBackend):
         self._maybe_crash()
         self.shards_seen += 1
         out = []
+        offset = int(os.environ.get("FAKE_OUTPUT_OFFSET", "0"))
         for r in requests:
-            offset = int(os.environ.get("FAKE_OUTPUT_OFFSET", "0"))
             ids = [(t + offset) % 256 for t in r.prompt_token_ids[: r.sampling["max_tokens"]]]
             k = r.sampling["logprobs"]
             rows = LogprobRows(np.full(len(ids), -0.5, np.float32), np.tile(np.arange(k, dtype=np.int32), (len(ids), 1)),
