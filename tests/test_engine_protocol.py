@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from regress.engine.client import EngineProcess
+from regress.engine.client import MAX_MESSAGE_BYTES, EngineProcess
 from regress.engine.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -90,15 +90,30 @@ def _line(**data):
     (_line(ok=True, op="load"), "load reply: field 'info' is missing"),
     (_line(ok=True, op="load", info={**INFO, "versions": None}), "field 'versions' must be an object"),
     (_line(ok=True, op="load", info={**INFO, "memory": {"peak_rss_mib": "a lot"}}),
-     "load reply, info, memory: field 'peak_rss_mib' must be a number or null, got str 'a lot'"),
+     "load reply, info, memory: field 'peak_rss_mib' must be a finite number >= 0 or null, got str 'a lot'"),
     (_line(ok=True, op="load", info={**INFO, "hardware": {**INFO["hardware"], "tpus": []}}), "unknown field(s) tpus"),
-    (_line(ok=True, op="shard", result={"index": "0"}), "shard reply, result: field 'index' must be an integer, got str '0'"),
+    (_line(ok=True, op="shard", result={"index": "0"}), "shard reply, result: field 'index' must be an integer >= 0, got str '0'"),
     (_line(ok=True, op="teleport"), "unknown op 'teleport'"),
     (_line(ok="yes"), "field 'ok' must be true or false"),
     (_line(ok=False, op="shard", error={"type": "x", "message": "m"}), "field 'traceback' is missing"),
     (_line(event="finished"), "unknown event 'finished'"),
     (_line(event="progress", index=0, phase="warmup", done=1), "unknown phase 'warmup'"),
-    (_line(event="progress", index=0, phase="generate", done=True), "field 'done' must be an integer, got bool"),
+    (_line(event="progress", index=0, phase="generate", done=True), "field 'done' must be an integer >= 0, got bool"),
+    # Hostile or broken engines: nothing that cannot be a fact of a run passes.
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (json.dumps({"protocol": True, "ok": True, "op": "vocab"}), "protocol version True"),
+    (json.dumps({"protocol": 1.0, "ok": True, "op": "vocab"}), "protocol version 1.0"),
+    (_line(ok=True, op="load", info={**INFO, "engine_load_s": float("nan")}), "'engine_load_s' must be a finite number >= 0"),
+    (_line(ok=True, op="load", info={**INFO, "engine_load_s": float("-inf")}), "'engine_load_s' must be a finite number >= 0"),
+    (_line(ok=True, op="load", info={**INFO, "memory": {"peak_rss_mib": -5}}), "'peak_rss_mib' must be a finite number >= 0"),
+    (_line(ok=True, op="load", info={**INFO, "versions": {"vllm": "0.9\ud800"}}), "field 'versions' must be an object"),
+    (_line(ok=True, op="load", info={**INFO, "hardware": {**INFO["hardware"], "cpu_model": "\udfff"}}),
+     "field 'cpu_model' must be a string or null"),
+    (_line(ok=True, op="shard", result={"index": -7, "generation_s": 1.0, "teacher_forcing_s": 0.0,
+                                        "prompt_tokens": 1, "output_tokens": 1}), "field 'index' must be an integer >= 0"),
+    (_line(ok=True, op="shard", result={"index": 0, "generation_s": float("nan"), "teacher_forcing_s": 0.0,
+                                        "prompt_tokens": 1, "output_tokens": 1}), "'generation_s' must be a finite number >= 0"),
+    (_line(event="progress", index=0, phase="generate", done=-1_000_000), "field 'done' must be an integer >= 0"),
 ])
 def test_a_malformed_engine_message_names_what_is_wrong(line, expected):
     with pytest.raises(ProtocolError) as info:
@@ -159,7 +174,7 @@ sys.stdin.readline()
 def _fake_python(tmp_path: Path, body: str) -> Path:
     """An executable standing in for a candidate's interpreter (it ignores ``-m regress...``)."""
     script = tmp_path / "python"
-    script.write_text(f"#!{sys.executable}\n{_ANSWER_LOAD}{body}\nsys.stdin.read()\n")
+    script.write_text(f"#!{sys.executable}\nMAX = {MAX_MESSAGE_BYTES}\n{_ANSWER_LOAD}{body}\nsys.stdin.read()\n")
     script.chmod(0o755)
     return script
 
@@ -173,6 +188,8 @@ def _candidate() -> CandidateSpec:
     ('reply(json.dumps({"protocol": 1, "ok": True, "op": "load"}))', "load reply: field 'info' is missing"),
     ('reply(json.dumps({"protocol": 1, "ok": True, "op": "memory", "memory": {}}))',
      "a 'memory' reply came to a 'load' request"),
+    # A line that never ends is refused at the limit, not read until memory or the deadline runs out.
+    ('sys.stdout.write(" " * (MAX + 1)); sys.stdout.flush(); import time; time.sleep(60)', "MiB without an end"),
 ])
 def test_an_engine_that_answers_garbage_is_an_engine_error(tmp_path, body, expected):
     engine = EngineProcess(_candidate(), _fake_python(tmp_path, body), tmp_path / "engine.log", load_timeout_s=60)

@@ -73,6 +73,10 @@ def engine_environment(candidate: CandidateSpec) -> dict[str, str]:
 
 
 DEFAULT_LOAD_TIMEOUT_S = 1800.0
+# The longest line read from an engine process. Its messages are small (results go to shard
+# files; a load reply with the engine's facts is some kB); a longer line is a library printing to
+# the protocol stream, or a hostile engine filling the orchestrator's memory.
+MAX_MESSAGE_BYTES = 16 << 20
 """How long an engine may take to start (environment imports, weights, KV cache) by default."""
 
 
@@ -86,7 +90,7 @@ class EngineProcess:
         self.load_timeout_s = DEFAULT_LOAD_TIMEOUT_S if load_timeout_s is None else load_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._shim: tempfile.TemporaryDirectory[str] | None = None
-        self._buffer = b""
+        self._buffer = bytearray()
         self._launched = 0.0
         self.info: EngineInfo = {}
 
@@ -281,7 +285,13 @@ class EngineProcess:
         fd = proc.stdout.fileno()
         with selectors.DefaultSelector() as selector:
             selector.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buffer:
+            scanned = 0  # the buffer before this is known to hold no newline: each byte is searched once
+            while (end := self._buffer.find(b"\n", scanned)) < 0:
+                scanned = len(self._buffer)
+                if scanned > MAX_MESSAGE_BYTES:
+                    self.kill(proc)
+                    raise self._malformed(what, f"a line of more than {MAX_MESSAGE_BYTES >> 20} MiB without an end; "
+                                                "no message of this protocol is that long")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     self.kill(proc)
@@ -293,7 +303,8 @@ class EngineProcess:
                 if not chunk:
                     raise self._died(what)
                 self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 1]
         return line
 
     def _died(self, what: str) -> EngineError:

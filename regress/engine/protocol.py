@@ -31,6 +31,8 @@ version, an unknown op or event, a missing field, a field of the wrong type).
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, TypedDict, TypeVar, Union
 
@@ -290,18 +292,31 @@ def encode(message: _Message) -> bytes:
 
 Check = Callable[[Any], bool]
 T = TypeVar("T")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
+    # A lone surrogate (JSON's "\ud800") is a str Python cannot encode: it would fail later, far
+    # from here, when the manifest or a log is written.
+    return isinstance(v, str) and _SURROGATE.search(v) is None
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_count(v: Any) -> bool:
+    """An index, a token count, a number of prompts done: never negative."""
+    return _is_int(v) and v >= 0
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_amount(v: Any) -> bool:
+    """Seconds or MiB: a finite number, not negative (json reads NaN, Infinity and 1e400 as floats)."""
+    return _is_number(v) and math.isfinite(v) and v >= 0
 
 
 def _is_bool(v: Any) -> bool:
@@ -329,7 +344,7 @@ def _is_pair(v: Any) -> bool:
 
 
 def _is_versions(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) and (x is None or isinstance(x, str)) for k, x in v.items())
+    return isinstance(v, dict) and all(_is_str(k) and (x is None or _is_str(x)) for k, x in v.items())
 
 
 def _describe(value: Any) -> str:
@@ -365,6 +380,8 @@ class _Fields:
 def _parse(line: bytes | str, what: str) -> Any:
     try:
         data = json.loads(line)
+    except RecursionError:  # "[[[[..." nested past the interpreter's stack: no message of ours
+        raise ProtocolError(f"{what} is nested too deeply to be a message of this protocol") from None
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
         shown = text.strip()[:80]
@@ -376,7 +393,7 @@ def _check_version(f: _Fields) -> None:
     if "protocol" not in f.data:
         raise ProtocolError(f"{f.what}: no 'protocol' version field in {_describe(f.data)}")
     version = f.data["protocol"]
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1 in Python
         raise ProtocolError(f"{f.what}: protocol version {version!r}; this side speaks {PROTOCOL_VERSION} "
                             "(are both sides the same regress?)")
 
@@ -463,7 +480,7 @@ def _hardware(value: Any, what: str) -> Hardware:
     f.get("platform", _is_str, "a string")
     f.get("cpu_model", _optional(_is_str), "a string or null", optional=True)
     f.get("cpu_count", _optional(_is_int), "an integer or null", optional=True)
-    f.get("memory_gib", _optional(_is_number), "a number or null", optional=True)
+    f.get("memory_gib", _optional(_is_amount), "a finite number >= 0 or null", optional=True)
     f.get("gpus", _list_of(_is_str), "a list of strings", optional=True)
     return value
 
@@ -472,14 +489,14 @@ def _memory(value: Any, what: str) -> MemoryUsage:
     f = _Fields(value, what)
     f.only(tuple(MemoryUsage.__annotations__))
     for name in MemoryUsage.__annotations__:
-        f.get(name, _optional(_is_number), "a number or null", optional=True)
+        f.get(name, _optional(_is_amount), "a finite number >= 0 or null", optional=True)
     return value
 
 
 def _engine_info(value: Any, what: str) -> EngineInfo:
     f = _Fields(value, what)
     f.get("versions", _is_versions, "an object of package -> version (or null)")
-    f.get("engine_load_s", _is_number, "a number")
+    f.get("engine_load_s", _is_amount, "a finite number >= 0")
     _hardware(f.get("hardware", _is_dict, "an object"), f"{what}, hardware")
     _memory(f.get("memory", _is_dict, "an object"), f"{what}, memory")
     for name in ("resolved_path", "revision", "dtype", "quantization", "snapshot_path"):
@@ -493,9 +510,9 @@ def _shard_summary(value: Any, what: str) -> ShardSummary:
     f = _Fields(value, what)
     for name in ShardSummary.__annotations__:
         if name.endswith("_s"):
-            f.get(name, _is_number, "a number")
+            f.get(name, _is_amount, "a finite number >= 0")
         else:
-            f.get(name, _is_int, "an integer")
+            f.get(name, _is_count, "an integer >= 0")
     return value
 
 
@@ -526,8 +543,8 @@ def reply_from_dict(data: Any, what: str = "reply") -> EngineMessage:
         phase = f.get("phase", _is_str, "a string")
         if phase not in PHASES:
             raise ProtocolError(f"progress event: unknown phase {phase!r}; known: {', '.join(PHASES)}")
-        return ProgressEvent(index=f.get("index", _is_int, "an integer"), phase=phase,
-                             done=f.get("done", _is_int, "an integer"))
+        return ProgressEvent(index=f.get("index", _is_count, "an integer >= 0"), phase=phase,
+                             done=f.get("done", _is_count, "an integer >= 0"))
     ok = f.get("ok", _is_bool, "true or false")
     if not ok:
         f.what = "error reply"
