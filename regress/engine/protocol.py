@@ -506,6 +506,17 @@ def _engine_info(value: Any, what: str) -> EngineInfo:
     return value
 
 
+def checked_engine_info(value: Any, what: str) -> EngineInfo:
+    """``value`` if it is an engine's facts as a load reply carries them (a worker's reply holds
+    them too); else a ProtocolError naming the field."""
+    return _engine_info(value, what)
+
+
+def checked_memory(value: Any, what: str) -> MemoryUsage:
+    """``value`` if it is a memory record of this protocol; else a ProtocolError naming the field."""
+    return _memory(value, what)
+
+
 def _shard_summary(value: Any, what: str) -> ShardSummary:
     f = _Fields(value, what)
     for name in ShardSummary.__annotations__:

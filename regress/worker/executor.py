@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from regress.errors import BrokerError, ShardsFailedError, StorageError
+from regress.errors import BrokerError, ProtocolError, ShardsFailedError, StorageError
 from regress.replay import (
     ENGINE_INFO_FILE,
     ExecutionOutcome,
@@ -38,6 +38,7 @@ from regress.replay import (
 from regress.runs import VOCAB_FILE, shard_file
 from regress.storage import atomic_write_text, read_shard_meta
 from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, sending_app
+from regress.worker.replies import checked_reply
 from regress.worker.settings import CelerySettings
 
 
@@ -141,7 +142,7 @@ class CeleryExecutor:
                     last_states = time.monotonic()
                 for index, item in list(waiting.items()):
                     if self._done(run_dir, item.task, plan.run_id):
-                        item.result = self._result_of(AsyncResult(item.task_id, app=app))
+                        item.result = self._result_of(AsyncResult(item.task_id, app=app), index)
                         del waiting[index]
                         for phase in phases:
                             progress.advance(phase, item.task.size)
@@ -203,12 +204,13 @@ class CeleryExecutor:
         return self._outcome(tracked, info_file)
 
     @staticmethod
-    def _result_of(result: Any) -> dict[str, Any]:
+    def _result_of(result: Any, index: int) -> dict[str, Any]:
         # The file is the truth; the worker's reply (engine facts) may lag or be gone after a
-        # broker restart, or the shard was written by an earlier attempt.
+        # broker restart, or the shard was written by an earlier attempt. A reply that is there
+        # is checked: anyone who can write to the result backend can write one.
         try:
-            if result.state == "SUCCESS" and isinstance(result.result, dict):
-                return result.result
+            if result.state == "SUCCESS" and result.result is not None:
+                return checked_reply(result.result, f"shard {index}'s result in the result backend")
         except BROKER_CONNECTION_ERRORS:
             pass
         return {}
@@ -243,9 +245,10 @@ class CeleryExecutor:
         for path in sorted(facts_dir.glob("shard-*.json")) if facts_dir.is_dir() else []:
             try:
                 facts = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
+                facts = checked_reply(facts, str(path))
+            except (OSError, ValueError, ProtocolError) as exc:
                 raise StorageError(f"{path}: unreadable engine facts ({exc}); delete it and run again") from exc
-            if isinstance(facts, dict) and facts.get("index") not in answered:
+            if facts.get("index") not in answered:
                 replies.append(facts)
         saved: dict[str, Any] = {}
         if info_file.is_file():
