@@ -30,7 +30,6 @@ Runs inside the candidate's environment: standard library only.
 from __future__ import annotations
 
 import ast
-import math
 import re
 from typing import Any
 
@@ -109,8 +108,12 @@ def checked_defaults(raw: Any) -> dict[str, int | float]:
             raise ValueError(f"{str(name)[:40]!r} is not a field a server fills in ({', '.join(SERVER_DEFAULT_FIELDS)})")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}: {str(value)[:40]!r} is not a number")
-        if not math.isfinite(value) or abs(value) > _MAX_MAGNITUDE:
-            raise ValueError(f"{name}: {value!r} is not a finite number of magnitude <= {_MAX_MAGNITUDE:g}")
+        # Magnitude first, by comparison: math.isfinite(10 ** 400) raises OverflowError (a whole
+        # number too large for a float), and NaN fails the comparison too.
+        if not abs(value) <= _MAX_MAGNITUDE:
+            shown = (f"a whole number of about {value.bit_length() * 30103 // 100000 + 1} digits"
+                     if isinstance(value, int) else repr(value))
+            raise ValueError(f"{name}: {shown} is not a finite number of magnitude <= {_MAX_MAGNITUDE:g}")
         if name in _INTEGER_FIELDS and value != int(value):
             raise ValueError(f"{name}: {value!r} is not a whole number")
         low, high = RANGES[name]

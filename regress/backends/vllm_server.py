@@ -23,13 +23,14 @@ directory or hub id of the tokenizer regress renders prompts with.
 
 What a server answers is scored, so it is checked at this boundary: every request has a deadline
 and a byte limit and follows no redirect (:mod:`regress.backends.server_http`); a stream must end
-with a finish reason and ``[DONE]``; every token must come with its ids and a full top-k row of
-finite logprobs <= 0 and ids in the vocabulary (:mod:`regress.backends.server_wire`). A violation
-is a :class:`~regress.errors.ServerReplyError` naming the request (the engine process names the
-prompt): exit 3, never a score.
+with a finish reason and ``[DONE]`` and hold nothing after the finish reason; every piece of text
+and every token must come with its ids and a full top-k row of finite logprobs <= 0 and ids in the
+vocabulary, a row that agrees with itself (:mod:`regress.backends.server_wire`,
+:mod:`regress.backends.server_rows`). A violation is a :class:`~regress.errors.ServerReplyError`
+naming the request (the engine process names the prompt): exit 3, never a score.
 
 The server process is :mod:`regress.backends.server_process`; the parsing of its answers
-:mod:`regress.backends.server_wire`.
+:mod:`regress.backends.server_wire` and :mod:`regress.backends.server_rows`.
 
 Runs inside the candidate's environment: standard library and numpy at import; aiohttp and
 transformers are imported inside methods.
@@ -68,17 +69,17 @@ from regress.backends.server_process import (
     server_environment,
     shown_url,
 )
+from regress.backends.server_rows import chat_rows, count, prompt_rows, stream_rows
 from regress.backends.server_wire import (
-    TOKEN_PREFIX,
     ChatPromptIds,
-    chat_rows,
+    chat_probe,
     chat_top_logprobs,
-    count,
-    prompt_rows,
+    completion_probe,
+    one_choice,
     read_chat,
     read_completion,
-    stream_rows,
-    token_ids,
+    served_models,
+    server_version,
 )
 from regress.backends.server_sampling import (PROBE_TEXT, defaults_from_log, left_to_server, probe_requests,
                                               probe_result, probe_tokens, sent_fields)
@@ -257,43 +258,42 @@ class VllmServerBackend(EngineBackend):
     def _check_server(self) -> None:
         try:  # optional: a server without it (or answering it oddly) has no known version
             version = self._get_json("/version", timeout=10)
-            found = version.get("version") if isinstance(version, dict) else None
-            self._server_version = found[:100] if isinstance(found, str) else None
         except (ServerHTTPError, ServerReplyError):
-            self._server_version = None
-        models = self._get_json("/v1/models")
-        served = [m for m in (models.get("data") or []) if isinstance(m, dict)] if isinstance(models, dict) else []
-        names = [str(m.get("id")) for m in served]
+            version = None
+        try:  # but a version it does report must be one: it crosses into the manifest and is printed
+            self._server_version = server_version(version)
+        except ServerReplyError as exc:
+            raise exc.located(url=self._shown + "/version") from None
+        try:
+            served = served_models(self._get_json("/v1/models"))
+        except ServerReplyError as exc:
+            raise exc.located(url=self._shown + "/v1/models") from None
+        names = [m["id"] for m in served]
         want = str(self.spec["model"])
-        match = next((m for m in served if want in (str(m.get("id")).rstrip("/"), str(m.get("root") or "").rstrip("/"))
-                      or str(m.get("id")) == want), None)
+        match = next((m for m in served if want in (m["id"].rstrip("/"), (m.get("root") or "").rstrip("/"))
+                      or m["id"] == want), None)
         if match is None:
             raise InputError(f"the server at {self._shown} serves {', '.join(map(repr, names)) or 'no model'}, "
                              f"not the candidate's model {want!r} (set the candidate's 'model' to the served name, "
                              f"and 'tokenizer' to the tokenizer's directory if that is another)")
-        self._model_name = str(match.get("id"))
+        self._model_name = match["id"]
         probe_ids = list(self._tokenizer.encode("Hello")) or [0]
         answer = self._get_json(ENDPOINT, {
             "model": self._model_name, "prompt": probe_ids, "max_tokens": 1, "temperature": 0,
             "logprobs": 1, "prompt_logprobs": 1, "return_tokens_as_token_ids": True,
         }, timeout=self.request_timeout_s)
-        choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
-        choice = choice if isinstance(choice, dict) else {}
-        logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
-        tokens = logprobs.get("tokens") or []
-        ok = (isinstance(tokens, list) and bool(tokens) and str(tokens[0]).startswith(TOKEN_PREFIX)
-              and bool(logprobs.get("top_logprobs")) and isinstance(choice.get("prompt_logprobs"), list))
-        if not ok:
-            raise InputError(f"the server at {self._shown} did not return token ids and logprobs for a "
-                             "1-token probe (logprobs, prompt_logprobs, return_tokens_as_token_ids): regress scores "
-                             "token by token and needs a vLLM OpenAI-compatible server that returns them")
         where = f"{self._shown}{ENDPOINT} (the 1-token probe)"
         try:
-            stream_rows(tokens, logprobs["top_logprobs"], 1, self._vocab)
-            if len(choice["prompt_logprobs"]) != len(probe_ids):
-                raise ServerReplyError(f"{len(choice['prompt_logprobs'])} prompt_logprobs positions for "
-                                       f"{len(probe_ids)} prompt tokens")
-            prompt_rows(choice["prompt_logprobs"], probe_ids[1:], 1, 1, self._vocab)
+            parts = completion_probe(answer)
+            if parts is None:  # what it leaves out is the user's choice of server: exit 2
+                raise InputError(f"the server at {self._shown} did not return token ids and logprobs for a "
+                                 "1-token probe (logprobs, prompt_logprobs, return_tokens_as_token_ids): regress "
+                                 "scores token by token and needs a vLLM OpenAI-compatible server that returns them")
+            tokens, tops, positions = parts
+            stream_rows(tokens, tops, 1, self._vocab)
+            if len(positions) != len(probe_ids):
+                raise ServerReplyError(f"{len(positions)} prompt_logprobs positions for {len(probe_ids)} prompt tokens")
+            prompt_rows(positions, probe_ids[1:], 1, 1, self._vocab)
         except _MALFORMED as exc:
             raise ServerReplyError(f"a malformed answer ({type(exc).__name__}: {exc})", url=where) from None
         except ServerReplyError as exc:
@@ -329,21 +329,14 @@ class VllmServerBackend(EngineBackend):
                 raise
             raise InputError(f"server.endpoint is 'chat' but {url} refused a 1-token chat probe ({exc}); does the "
                              "server have a chat template (--chat-template)?") from None
-        choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
-        choice = choice if isinstance(choice, dict) else {}
-        logprobs = choice.get("logprobs")
-        content = (logprobs.get("content") if isinstance(logprobs, dict) else None) or []
-        ok = (isinstance(answer, dict) and isinstance(answer.get("prompt_token_ids"), list)
-              and bool(answer["prompt_token_ids"])
-              and isinstance(choice.get("token_ids"), list) and isinstance(content, list) and bool(content)
-              and isinstance(content[0], dict) and str(content[0].get("token", "")).startswith(TOKEN_PREFIX))
-        if not ok:
-            raise InputError(f"server.endpoint is 'chat' but {url} did not return the prompt's and the output's token "
-                             "ids and logprobs as token ids for a 1-token probe (return_token_ids, logprobs, "
-                             "return_tokens_as_token_ids): regress needs a vLLM server that returns them")
         try:
-            token_ids(answer["prompt_token_ids"], self._vocab, "prompt_token_ids")
-            chat_rows(token_ids(choice["token_ids"], self._vocab, "token_ids"), content, 1, self._vocab)
+            parts = chat_probe(answer, self._vocab)
+            if parts is None:
+                raise InputError(f"server.endpoint is 'chat' but {url} did not return the prompt's and the output's "
+                                 "token ids and logprobs as token ids for a 1-token probe (return_token_ids, logprobs, "
+                                 "return_tokens_as_token_ids): regress needs a vLLM server that returns them")
+            _, output_ids, content = parts
+            chat_rows(output_ids, content, 1, self._vocab)
         except _MALFORMED as exc:
             raise ServerReplyError(f"a malformed answer ({type(exc).__name__}: {exc})",
                                    url=url + " (the 1-token chat probe)") from None
@@ -457,10 +450,7 @@ class VllmServerBackend(EngineBackend):
         sent = len(payload["prompt"])
         k = int(payload["prompt_logprobs"])
         answer = await client.json(ENDPOINT, payload, limit=positions_limit(sent, k + 1))
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ServerReplyError("a teacher-forcing answer without a choice")
-        positions = choices[0].get("prompt_logprobs")
+        positions = one_choice(answer, "a teacher-forcing answer").get("prompt_logprobs")
         if positions is None:
             raise ServerReplyError("no prompt_logprobs although they were requested")
         if not isinstance(positions, list) or len(positions) != sent:
