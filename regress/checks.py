@@ -120,9 +120,11 @@ class _Scoring:
 
 
 def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_dir: Path | None,
-           out: Path | None, golden: "RunResult | None" = None, prompt_set: "PromptSet | None" = None) -> _Scoring:
+           out: Path | None, golden: "RunResult | None" = None, prompt_set: "PromptSet | None" = None,
+           whole: bool = True) -> _Scoring:
     """Score ``spec``'s run against the golden, writing nothing. ``golden`` and ``prompt_set``:
-    loaded already by the caller (a check), else read here."""
+    loaded already by the caller (a check), else read here. ``whole``: the run must hold every
+    prompt of the golden (False for a try, which runs part of the prompt set)."""
     from regress.datasets import load_prompt_set
     from regress.home import regress_home
     from regress.noise.floor import load_floor
@@ -135,6 +137,10 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     golden_run = golden if golden is not None else load_run(golden_dir or params.golden_dir())
     run = load_run(run_dir or params.run_dir(spec.name))
+    if whole:
+        from regress.run_pairs import check_same_entries
+
+        check_same_entries(golden_run, run)
     noise = load_floor(golden_dir or params.golden_dir(), golden_run.manifest.run_id)
     if noise is not None and params.noise is not None and params.noise.k != noise.k:
         noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
@@ -171,9 +177,10 @@ def _write_scores(params: Params, spec: CandidateSpec, scoring: _Scoring, *, rec
 
 
 def _write_report(params: Params, spec: CandidateSpec, scoring: _Scoring, *, out: Path | None,
-                  diagnosis: "Diagnosis | None") -> Path:
+                  diagnosis: "Diagnosis | None", staged: Path | None = None) -> Path:
     """The candidate's report (and, in reports/, the index): with ``diagnosis``, else with its
-    ``diagnosis.json`` when that is of this run."""
+    ``diagnosis.json`` when that is of this run. ``staged``: write the candidate's files there
+    (the caller moves them into place) and leave the index alone."""
     from regress.diagnosis.record import load_diagnosis
     from regress.progress import stderr_console
     from regress.report import refresh_index, write_candidate_report
@@ -184,9 +191,9 @@ def _write_report(params: Params, spec: CandidateSpec, scoring: _Scoring, *, out
         if diagnosis is None:
             diagnosis = load_diagnosis(scoring.scores_dir, scoring.run.manifest.run_id)
         page = write_candidate_report(scoring.report, scoring.golden, scoring.run, scoring.prompt_set,
-                                      out or params.reports_dir() / spec.name,
+                                      staged or out or params.reports_dir() / spec.name,
                                       index_link=None if out else "../index.html", diagnosis=diagnosis)
-        if out is None:
+        if out is None and staged is None:
             refresh_index(params.reports_dir(), params.scores_dir())
     return page
 
@@ -214,9 +221,29 @@ def score_candidate(
     ``bisect``) and the ``release`` checked, (package, version); None: inferred from how the
     candidate differs from the golden's baseline (:func:`regress.trend.release_of`)."""
     scoring = _score(params, spec, golden_dir=golden_dir, run_dir=run_dir, out=out)
-    _write_scores(params, spec, scoring, recorded=out is None, source=source, release=release)
-    page = _write_report(params, spec, scoring, out=out, diagnosis=diagnosis) if with_report else None
+    if not with_report:
+        _write_scores(params, spec, scoring, recorded=out is None, source=source, release=release)
+        return ScoredCandidate(scoring.report, scoring.scores_dir, None)
+    page = _write_scored(params, spec, scoring, out=out, diagnosis=diagnosis, source=source, release=release)
     return ScoredCandidate(scoring.report, scoring.scores_dir, page)
+
+
+def _write_scored(params: Params, spec: CandidateSpec, scoring: _Scoring, *, out: Path | None,
+                  diagnosis: "Diagnosis | None", source: str, release: tuple[str, str] | None) -> Path:
+    """Scores, history line and report of one scoring, as one set: the report is rendered aside
+    first, so that a scoring whose report cannot be made writes nothing (no new scores.json beside
+    an old report); then the scores, then the report's files are moved into place, then the index."""
+    from regress.storage import building
+
+    dest = out or params.reports_dir() / spec.name
+    with building(dest, unique=True, merge=True) as staged:
+        page = _write_report(params, spec, scoring, out=out, diagnosis=diagnosis, staged=staged)
+        _write_scores(params, spec, scoring, recorded=out is None, source=source, release=release)
+    if out is None:
+        from regress.report import refresh_index
+
+        refresh_index(params.reports_dir(), params.scores_dir())
+    return dest / page.name
 
 
 def run_check(
@@ -306,7 +333,7 @@ def try_check(params: Params, spec: CandidateSpec, *, tags: list[str] | None, li
                       baseline=params.golden_baseline(golden_run.manifest), golden_scoring=golden_scoring,
                       generation_defaults=generation_defaults(spec))
     scoring = _score(params, spec, golden_dir=None, run_dir=root / "run", out=root / "scores", golden=golden_run,
-                     prompt_set=full)
+                     prompt_set=full, whole=False)
     _write_scores(params, spec, scoring, recorded=False, source="try", release=None)
     page = _write_report(params, spec, scoring, out=root / "report", diagnosis=None)
     return CheckResult(manifest, ScoredCandidate(scoring.report, scoring.scores_dir, page))

@@ -24,9 +24,12 @@ so a reader never sees half a run, and an interrupted run resumes from its finis
 Integrity: the manifest records every shard file's sha256, size, run id and shard fingerprint
 (``RunManifest.shard_files``, filled in by :func:`write_manifest`). :func:`load_run` checks them
 before parsing a shard, so changed bytes, a shard of another run copied in, or a missing shard
-is an :class:`~regress.errors.IntegrityError` (exit 3) naming the shard. A manifest written
-before shard files were recorded still loads: its shards' run ids are checked where they carry
-one, the rest is unverified (``RunResult.verified`` is False).
+is an :class:`~regress.errors.IntegrityError` (exit 3) naming the shard; so is a manifest without
+shard hashes (every manifest of this format version records them: removing them must not turn
+the check off). Each verified shard's values are then checked (:mod:`regress.run_values`): a
+value no engine writes (NaN, a positive logprob, an id outside the vocabulary, a prompt id twice,
+a finish reason or sampling that is not one) is a :class:`~regress.errors.StorageError` (exit 2)
+naming the shard and the field, before anything is scored.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np
 from regress.errors import IntegrityError, StorageError
 from regress.records import FORMAT_VERSION, Generation, LogprobTrack, RunManifest, ShardFile
 from regress.records.generation import CHOICE_ARRAYS, ChoiceScores, choice_scores, choices_problem
+from regress.run_values import check_array_values, check_meta_values, vocabulary_bound
 from regress.storage import (atomic_write_text, decode_shard, partial_path, read_record, read_shard_meta,
                              sha256_file)
 
@@ -182,8 +186,9 @@ class RunResult:
     sampling: list[dict[str, Any]]
     arrays: dict[str, np.ndarray]
     verified: bool = True
-    """Whether every shard was checked against a hash in the manifest (False: the manifest
-    predates shard hashes; the shards parsed and their run ids matched, nothing more)."""
+    """Whether every shard was checked against a hash in the manifest: always, for a run
+    :func:`load_run` read (a manifest without hashes is refused); False only for a run built in
+    memory by a caller that says so."""
     ttft_s: list[float | None] | None = None
     """Per prompt, the time to its first token in seconds, as the ``server`` backend measured it
     (shard meta ``ttft_s``); None entries where unknown (a shard that did not record it), and None
@@ -412,11 +417,17 @@ def load_run(path: str | Path) -> RunResult:
     choice_texts: list[Any] = []
     choice_answers: list[Any] = []
     parts = []
-    recorded = {f.index: f for f in manifest.shard_files or []}
+    if manifest.shard_files is None:
+        raise IntegrityError(f"{run_dir / MANIFEST}: records no shard hashes ('shard_files'), which every manifest of "
+                             f"format version {FORMAT_VERSION} carries: edited after the run finished; re-run it or "
+                             "restore it")
+    recorded = {f.index: f for f in manifest.shard_files}
+    bound = vocabulary_bound(run_dir, manifest)
+    seen: dict[str, Path] = {}
     for shard in manifest.layout.shards:
         file = shard_file(run_dir, shard.index)
         expected = recorded.get(shard.index)
-        if manifest.shard_files is not None and expected is None:
+        if expected is None:
             raise IntegrityError(f"{file}: the manifest {run_dir / MANIFEST} records no hash for shard {shard.index}")
         try:
             data = file.read_bytes()
@@ -424,16 +435,21 @@ def load_run(path: str | Path) -> RunResult:
             raise IntegrityError(f"{file}: shard {shard.index} is missing from a run marked complete") from exc
         except OSError as exc:
             raise StorageError(f"{file}: {exc}") from exc
-        if expected is not None:
-            # Before parsing: damaged bytes are then named as such, never as whatever the parser
-            # happened to trip over, and a shard that parses but was changed is caught too.
-            _verify_bytes(file, shard.index, data, expected)
+        # Before parsing: damaged bytes are then named as such, never as whatever the parser
+        # happened to trip over, and a shard that parses but was changed is caught too.
+        _verify_bytes(file, shard.index, data, expected)
         try:
             meta, arrays = decode_shard(data)
         except ValueError as exc:  # damaged or foreign (regress.storage)
             raise StorageError(f"{file}: {exc}") from exc
         _verify_stamps(file, shard.index, meta, manifest, expected)
         _check_shard(file, meta, arrays, shard.count)
+        check_meta_values(file, meta, shard.count)
+        check_array_values(file, arrays, bound)
+        for pid in meta["prompt_ids"]:
+            if seen.setdefault(pid, file) != file:
+                raise StorageError(f"{file}: not a consistent shard: meta.json 'prompt_ids' holds {pid[:60]!r}, "
+                                   f"which {seen[pid]} holds too: a prompt is stored once")
         problem = choices_problem(meta, arrays, shard.count)
         if problem is not None:
             raise StorageError(f"{file}: not a consistent shard: {problem}")
@@ -458,7 +474,7 @@ def load_run(path: str | Path) -> RunResult:
     if chosen:
         joined.update(_concatenate_choices(parts))
     return RunResult(run_dir, manifest, prompt_ids, texts, finish, sampling, joined,
-                     verified=manifest.shard_files is not None,
+                     verified=True,
                      ttft_s=ttft if timed else None, latency_s=latency if timed else None,
                      concurrency=concurrency, choice_texts=choice_texts if chosen else None,
                      choice_answers=choice_answers if chosen else None)

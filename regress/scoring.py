@@ -23,6 +23,7 @@ from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
 from regress.metrics.teacher_forced import not_teacher_forced
 from regress.records import AnswerCheck, PromptScore, RunMetrics, ScoredRun
+from regress.run_pairs import check_pair, check_teacher_forced
 from regress.runs import RunResult, golden_scored
 from regress.storage import atomic_write_text, read_record
 from regress.verdict import (NoiseJudgement, Thresholds, classify, nonfinite, run_verdict, severe,
@@ -141,8 +142,11 @@ def score_runs(
     if run.manifest.golden is not None and run.manifest.golden.run_id != golden.manifest.run_id:
         raise ConfigError(f"{run.path} was replayed against golden {run.manifest.golden.run_id}, "
                           f"not {golden.manifest.run_id} ({golden.path}); replay it again")
+    check_pair(golden, run)
     metrics = metrics if metrics is not None else build_metrics(t)
     by_golden = golden_scored(run, golden)
+    if by_golden is not None:  # the baseline teacher-forced the candidate's samples: its tokens are the run's
+        check_teacher_forced(by_golden, run)
     pairs = [Pair(golden[pid], run[i], by_golden[pid] if by_golden is not None and pid in by_golden else None)
              for i, pid in enumerate(run.prompt_ids)]
     values: list[dict[str, Any]] = [{} for _ in pairs]
@@ -348,7 +352,16 @@ def write_score_outputs(scored: ScoredRun, out_dir: str | Path) -> tuple[Path, P
     (and a reader of ``metrics.json`` alone sees a whole scoring, the old one)."""
     out_dir = Path(out_dir)
     scores_path, metrics_path = out_dir / SCORES_FILE, out_dir / METRICS_FILE
-    atomic_write_text(scores_path, scored.model_dump_json(indent=1))
+    text = scored.model_dump_json(indent=1)
+    try:  # never a scores.json that does not read back (JSON has no NaN: pydantic writes null)
+        ScoredRun.model_validate_json(text)
+    except ValueError as exc:
+        from regress.errors import RunError
+
+        first = exc.errors()[0] if callable(getattr(exc, "errors", None)) else {"msg": str(exc), "loc": ()}
+        raise RunError(f"{scores_path}: not written: the scoring of {scored.run.run_id} would not read back "
+                       f"({first['msg']} at {'.'.join(map(str, first['loc']))}); nothing of it was stored") from exc
+    atomic_write_text(scores_path, text)
     atomic_write_text(out_dir / DVC_METRICS_FILE, json.dumps(dvc_metrics(scored.metrics), indent=2) + "\n")
     atomic_write_text(metrics_path, scored.metrics.model_dump_json(indent=2))
     return scores_path, metrics_path

@@ -74,25 +74,27 @@ def _flip(path: Path, where: float, count: int = 8) -> None:
     path.write_bytes(bytes(data))
 
 
-def _drop_shard_hashes(run_dir: Path) -> None:
-    """Make the manifest look like one written before shard files were recorded."""
+def _rehash_shards(run_dir: Path) -> None:
+    """Record the shards' bytes as they are now in the manifest, as someone who damaged a shard
+    on purpose would: the hashes then pass, and the shard's parser and checks must catch it."""
+    from regress.storage import sha256_file
+
     manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
-    del manifest["shard_files"]
+    for record in manifest["shard_files"]:
+        record["sha256"], record["size"] = sha256_file(run_dir / "shards" / f"shard-{record['index']:05d}.shard")
     (run_dir / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
 
 
-@pytest.mark.parametrize("hashed", [True, False], ids=["hashed", "old-manifest"])
+@pytest.mark.parametrize("hashed", [True, False], ids=["hashed", "rehashed"])
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "not a zip", "inconsistent"])
 def test_a_corrupted_shard_is_an_error_naming_the_file(scored_project: Path, damage: str, hashed: bool):
     """The manifest records each shard's sha256, checked before parsing: any change is an
-    integrity failure (exit 3). A manifest from before shard hashes: the parser's checks catch
-    the damage, a storage error (exit 2)."""
+    integrity failure (exit 3). With the hashes recomputed to match (a manifest edited too): the
+    parser's checks catch the damage, a storage error (exit 2)."""
     from regress.runs import shard_file
     from regress.storage import read_shard, write_shard
 
     shard = shard_file(scored_project / "golden", 1)
-    if not hashed:
-        _drop_shard_hashes(scored_project / "golden")
     if damage == "flipped":
         _flip(shard, 0.3)  # inside the first compressed member: zlib or CRC damage
     elif damage == "truncated":
@@ -104,6 +106,8 @@ def test_a_corrupted_shard_is_an_error_naming_the_file(scored_project: Path, dam
         del meta["texts"], meta["shard_format_version"], meta["arrays"]
         arrays["output_offsets"] = arrays["output_offsets"][:-1]
         write_shard(shard, meta, arrays)
+    if not hashed:
+        _rehash_shards(scored_project / "golden")
     result = cli("score", "candidate", "--no-report", cwd=scored_project, home=scored_project / "home")
     assert result.returncode == (3 if hashed else 2), result.stderr
     assert "error: golden/shards/shard-00001.shard: " in one_line(result.stderr)  # relative, as params.yaml is
@@ -116,11 +120,10 @@ def test_a_corrupted_shard_is_an_error_naming_the_file(scored_project: Path, dam
 def test_any_damage_to_a_shard_is_a_storage_error(scored_project: Path):
     """Flip random bytes of a shard many times: reading the run either succeeds (a byte nobody
     reads) or raises StorageError naming the file; never zlib.error, KeyError, ValueError...
-    The parser's own robustness: the manifest has no shard hashes (they would catch every flip
-    first, see the next test)."""
+    The parser's own robustness: the manifest's hashes are recomputed after each flip (else they
+    would catch every flip first, see the next test)."""
     from regress.runs import load_run, shard_file
 
-    _drop_shard_hashes(scored_project / "runs" / "candidate")
     shard = shard_file(scored_project / "runs" / "candidate", 0)
     original = shard.read_bytes()
     rng = np.random.default_rng(0)
@@ -132,6 +135,7 @@ def test_any_damage_to_a_shard_is_a_storage_error(scored_project: Path):
         if rng.random() < 0.1:
             data = data[: int(rng.integers(0, len(data)))]
         shard.write_bytes(bytes(data))
+        _rehash_shards(scored_project / "runs" / "candidate")
         try:
             load_run(scored_project / "runs" / "candidate")
             outcomes["ok"] += 1

@@ -77,16 +77,16 @@ def test_a_missing_shard_exits_3_naming_it(scored_project: Path):
     assert "runs/candidate/shards/shard-00000.shard: shard 0 is missing from a run marked complete" in err
 
 
-def test_a_manifest_without_shard_hashes_still_loads(scored_project: Path):
-    """Runs written before shard hashes load as before, marked unverified."""
+def test_a_manifest_without_shard_hashes_is_refused(scored_project: Path):
+    """Removing the hashes must not turn the check off: every manifest of this format records them."""
     manifest_path = scored_project / "golden" / MANIFEST
     data = json.loads(manifest_path.read_text(encoding="utf-8"))
     del data["shard_files"]
     manifest_path.write_text(json.dumps(data), encoding="utf-8")
-    run = load_run(scored_project / "golden")
-    assert not run.verified and len(run) == 12
+    with pytest.raises(IntegrityError, match="records no shard hashes"):
+        load_run(scored_project / "golden")
     code, err = _score(scored_project)
-    assert code in (0, 1), err  # scored: a verdict, not an error
+    assert code == 3 and "golden/manifest.json: records no shard hashes" in err, err
 
 
 # ------------------------------------------------------------------ stamps: run id and fingerprint
@@ -123,8 +123,8 @@ def test_the_manifest_records_each_shards_stamps(tmp_path: Path):
         ("run-a", f"run-a-shard-{i}") for i in range(3)]
 
 
-def test_an_old_manifest_still_catches_a_shard_of_another_run(tmp_path: Path):
-    """Without recorded hashes, a shard's own run id is still compared with the manifest's."""
+def test_a_manifest_without_hashes_is_refused_before_any_shard_is_read(tmp_path: Path):
+    """Removing the recorded hashes does not turn the check off, whatever the shards hold."""
     _stamped_run(tmp_path / "a", "run-a")
     _stamped_run(tmp_path / "b", "run-b")
     manifest_path = tmp_path / "a" / MANIFEST
@@ -132,7 +132,7 @@ def test_an_old_manifest_still_catches_a_shard_of_another_run(tmp_path: Path):
     del data["shard_files"]
     manifest_path.write_text(json.dumps(data), encoding="utf-8")
     shutil.copy(shard_file(tmp_path / "b", 1), shard_file(tmp_path / "a", 1))
-    with pytest.raises(IntegrityError, match=r"shard-00001.shard: shard 1 belongs to run run-b, not to this run run-a"):
+    with pytest.raises(IntegrityError, match=r"records no shard hashes \('shard_files'\)"):
         load_run(tmp_path / "a")
 
 

@@ -7,9 +7,24 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from regress.records.base import FORMAT_VERSION, _Record
+
+
+class _Measured(_Record):
+    """A record of measured quantities (times, token counts, memory): each a finite number >= 0.
+    A manifest read back from shared storage is untrusted: a NaN or a negative time would reach
+    the scores (and JSON has no NaN: scores.json would not read back)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _not_negative(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{info.field_name} is {value!r}: a measured quantity is >= 0")
+        return value
 from regress.records.candidate import CandidateSpec
 
 
@@ -113,7 +128,7 @@ class ModelInfo(_Record):
     """Quantization the engine actually used."""
 
 
-class Hardware(_Record):
+class Hardware(_Measured):
     """Where the engine ran."""
 
     cpu_model: str | None = None
@@ -128,7 +143,7 @@ class Hardware(_Record):
     """OS and architecture."""
 
 
-class Timings(_Record):
+class Timings(_Measured):
     """Where the time went. Engine load is timed apart from generation."""
 
     engine_load_s: float
@@ -164,7 +179,7 @@ class Timings(_Record):
         return max(0.0, self.load_avg - self.generation_cpu_s / self.generation_s)
 
 
-class Memory(_Record):
+class Memory(_Measured):
     """Peak memory of the engine process."""
 
     peak_rss_mib: float | None = None
@@ -415,8 +430,8 @@ class RunManifest(_Record):
     """Peak memory."""
     shard_files: list[ShardFile] | None = None
     """Every shard file's hash, size and stamps, in order (filled in by
-    :func:`regress.runs.write_manifest`). None in manifests written before shard files were
-    recorded: such a run still loads, its shards unverified."""
+    :func:`regress.runs.write_manifest`). None only while a run is assembled: a manifest
+    read back without them is refused (:func:`regress.runs.load_run`)."""
     effective: EffectiveConfig | None = None
     """The configuration as the engine applied it. None in manifests written before it existed."""
     noise_sha256: str | None = None
