@@ -45,7 +45,8 @@ from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPlugi
 from regress.diagnosis.settings import DiagnoseSettings
 from regress.noise.settings import NoiseSettings
 from regress.records import CandidateSpec
-from regress.validation import all_errors, line_for, load_yaml, yaml_key_lines
+from regress.validation import (all_errors, line_for, load_yaml, utf8_error_line, value_problems,
+                                yaml_error_field, yaml_error_line, yaml_key_lines)
 from regress.worker.settings import CelerySettings
 
 DEFAULT_PARAMS = "params.yaml"
@@ -308,7 +309,31 @@ def _candidate(data: dict[str, Any], *, name: str, file: Path, where: str,
     except UnknownPluginError as exc:
         dotted = f"{where}.backend"
         return None, [ConfigError(str(exc), file=file, line=line_for(lines, dotted), field=dotted)]
-    return spec, []
+    problems = _spec_problems(spec, file=file, where=where, lines=lines)
+    return (None, problems) if problems else (spec, [])
+
+
+def _spec_problems(spec: CandidateSpec, *, file: Path, where: str, lines: dict[str, int]) -> list[ConfigError]:
+    """What a valid CandidateSpec may still hold that a run would refuse: an engine argument of
+    the wrong type (vLLM's own annotation), a package spec pip would not take."""
+    from regress.engine_args import engine_arg_type_problems
+    from regress.envs.spec import EnvSpec
+
+    def problem(dotted: str, message: str) -> ConfigError:
+        return ConfigError(message, file=file, line=line_for(lines, dotted), field=dotted)
+
+    problems = []
+    if spec.backend in ("vllm", "server"):  # both hand engine_args to vLLM (keywords or flags)
+        problems += [problem(f"{where}.engine_args.{key}", message)
+                     for key, message in engine_arg_type_problems(spec.engine_args)]
+    # One value at a time, so the problem names the field that holds it (layered is checked by the spec).
+    for dotted, value in [(f"{where}.package", spec.package),
+                          *((f"{where}.requirements[{i}]", r) for i, r in enumerate(spec.requirements))]:
+        try:
+            EnvSpec(value).validate()
+        except ConfigError as exc:
+            problems.append(problem(dotted, exc.message))
+    return problems
 
 
 def _section_problems(raw: dict[str, Any], path: Path, lines: dict[str, int]) -> list[ConfigError]:
@@ -320,17 +345,14 @@ def _section_problems(raw: dict[str, Any], path: Path, lines: dict[str, int]) ->
     problems: list[ConfigError] = []
     thresholds = raw.get("thresholds")
     if isinstance(thresholds, dict):
-        try:
-            Thresholds.from_params(thresholds, file=str(path))
-        except ConfigError as exc:
-            where = exc.field or "thresholds"
-            problems.append(ConfigError(exc.message, file=path, line=line_for(lines, where), field=where))
-        except InputError as exc:  # e.g. an unknown metric name (the message lists the known ones)
-            problems.append(ConfigError(str(exc), file=path, line=line_for(lines, "thresholds"), field="thresholds"))
+        from regress.thresholds_check import threshold_problems
+
+        problems += [ConfigError(message, file=path, line=line_for(lines, where), field=where)
+                     for where, message in threshold_problems(thresholds, Thresholds)]
     watch = raw.get("watch")
     if isinstance(watch, dict):
         try:
-            WatchSettings.model_validate(watch)
+            WatchSettings.model_validate(watch, strict=True)
         except ValidationError as exc:
             for where, message in all_errors(exc, WatchSettings):
                 dotted = f"watch.{where}" if where else "watch"
@@ -360,7 +382,11 @@ def _all_candidates(raw: dict[str, Any], path: Path, lines: dict[str, int]
     if not isinstance(raw_baseline, dict):
         return None, {}, []
     baseline_data = _resolve_path_fields(dict(raw_baseline), root)
-    baseline_name = str(baseline_data.pop("name", "baseline"))
+    baseline_name = baseline_data.pop("name", "baseline")
+    if not isinstance(baseline_name, str):
+        problem = ConfigError(f"must be a string (a candidate name), not {baseline_name!r}", file=path,
+                              line=line_for(lines, "baseline.name"), field="baseline.name")
+        return None, {}, [problem]
     baseline, problems = _candidate(baseline_data, name=baseline_name, file=path, where="baseline", lines=lines)
     candidates: dict[str, CandidateSpec] = {}
     raw_candidates = raw.get("candidates")
@@ -391,19 +417,23 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     """Load and validate params.yaml, all of it: every problem raises at once (with its line)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError as exc:
         raise ConfigError("no such file (pass --params PATH)", file=path) from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"not valid UTF-8 ({exc.reason})", file=path) from exc
     except OSError as exc:  # a directory, no permission
         raise ConfigError(f"cannot read it ({exc.strerror or exc})", file=path) from exc
     try:
-        raw = load_yaml(text) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not valid UTF-8: byte 0x{data[exc.start]:02x} ({exc.reason})", file=path,
+                          line=utf8_error_line(data, exc)) from exc
+    try:
+        raw = load_yaml(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path,
-                          line=mark.line + 1 if mark else None) from exc
+        raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path, line=yaml_error_line(exc),
+                          field=yaml_error_field(exc)) from exc
+    if raw is None:
+        raise ConfigError("the file is empty: a params file needs at least 'dataset' and 'baseline'", file=path)
     if not isinstance(raw, dict):
         raise ConfigError("must be a mapping", file=path, line=1)
     lines = yaml_key_lines(text)
@@ -411,12 +441,19 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     problems = _section_problems(raw, path, lines)
     parsed: _ParamsFile | None = None
     try:
-        parsed = _ParamsFile.model_validate(raw)
+        # Strict: a YAML true is not the number 1, nor '16' the number 16 (the candidates, which
+        # take env values as numbers, are checked on their own below).
+        parsed = _ParamsFile.model_validate(raw, strict=True)
     except ValidationError as exc:
         problems += [ConfigError(message, file=path, line=line_for(lines, where or ""), field=where)
                      for where, message in all_errors(exc, _ParamsFile)]
     baseline, candidates, found = _all_candidates(raw, path, lines)
     problems += found
+    # Infinities, NaN and lone surrogates anywhere: said once per field, instead of the schema's words.
+    values = value_problems(raw)
+    bad = {where for where, _ in values}
+    problems = [p for p in problems if p.field not in bad] + [
+        ConfigError(message, file=path, line=line_for(lines, where), field=where) for where, message in values]
     _raise_all(problems)
     assert parsed is not None and baseline is not None  # else a problem was raised above
     root = path.parent

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 from regress.errors import DatasetError, DuplicateKeyError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
 from regress.records.prompts import FIELD_PROBLEM
-from regress.validation import all_errors, load_yaml, yaml_key_lines
+from regress.validation import (all_errors, load_yaml, utf8_error_line, value_problems, yaml_error_field,
+                                yaml_error_line, yaml_key_lines)
 
 MAX_REPORTED_PROBLEMS = 50
 DEMO_PROMPTS = Path(__file__).parent / "data" / "prompts" / "demo.jsonl"
@@ -96,21 +97,32 @@ def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
     try:
         data = load_yaml(raw.decode("utf-8")) or {}
     except UnicodeDecodeError as exc:
-        return DatasetCard(), raw, [DatasetError(f"not valid UTF-8 ({exc.reason})", file=path)]
+        return DatasetCard(), raw, [DatasetError(f"not valid UTF-8: byte 0x{raw[exc.start]:02x} ({exc.reason})",
+                                                 file=path, line=utf8_error_line(raw, exc))]
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        return DatasetCard(), raw, [DatasetError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path, line=line)]
+        return DatasetCard(), raw, [DatasetError(f"invalid YAML: {getattr(exc, 'problem', exc)}", file=path,
+                                                 line=yaml_error_line(exc),
+                                                 field=yaml_error_field(exc))]
     if not isinstance(data, dict):
         return DatasetCard(), raw, [DatasetError("must be a mapping with 'description' and 'defaults'", file=path, line=1)]
+    lines = yaml_key_lines(raw.decode("utf-8"))
+    values = value_problems(data)
+    if values:
+        return DatasetCard(), raw, [DatasetError(message, file=path, line=_card_line(lines, where), field=where)
+                                    for where, message in values]
     try:
         return DatasetCard.model_validate(data), raw, []
     except ValidationError as exc:
-        lines = yaml_key_lines(raw.decode("utf-8"))
         problems = []
         for where, message in all_errors(exc, DatasetCard):
             problems.append(DatasetError(message, file=path, line=lines.get(where or ""), field=where))
         return DatasetCard(), raw, problems
+
+
+def _card_line(lines: dict[str, int], where: str) -> int | None:
+    from regress.validation import line_for
+
+    return line_for(lines, where.split("[", 1)[0])
 
 
 def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetError]]:
@@ -144,8 +156,19 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
         except json.JSONDecodeError as exc:
             problems.append(DatasetError(f"invalid JSON: {exc.msg} (column {exc.colno})", file=path, line=number))
             continue
+        except RecursionError:
+            problems.append(DatasetError("invalid JSON: nested too deeply (brackets inside brackets beyond what "
+                                         "Python's parser can follow)", file=path, line=number))
+            continue
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts (4300)
+            problems.append(DatasetError(f"invalid JSON: {str(exc).split(';')[0]}", file=path, line=number))
+            continue
         if not isinstance(data, dict):
             problems.append(DatasetError(f"each line must be a JSON object, got {type(data).__name__}", file=path, line=number))
+            continue
+        surrogates = value_problems(data, finite=False)
+        if surrogates:
+            problems += [DatasetError(message, file=path, line=number, field=where) for where, message in surrogates]
             continue
         try:
             record = PromptRecord.model_validate(data)

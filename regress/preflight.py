@@ -34,7 +34,8 @@ class Checked:
 
 
 def is_params_file(path: Path) -> bool:
-    """A YAML mapping with one of params.yaml's top-level keys (a prompt set's card has none)."""
+    """A YAML file that is not a mapping, or a mapping with one of params.yaml's top-level keys (a
+    prompt set's card has none)."""
     if path.suffix not in (".yaml", ".yml"):
         return False
     from regress.validation import load_yaml
@@ -43,7 +44,8 @@ def is_params_file(path: Path) -> bool:
         data = load_yaml(path.read_text(encoding="utf-8"))
     except Exception:  # not readable or not YAML: the params loader says so, with the line
         return True
-    return isinstance(data, dict) and any(key in data for key in PARAMS_KEYS)
+    # An empty file, a list or a scalar is no card either: the params loader says what is wrong.
+    return not isinstance(data, dict) or any(key in data for key in PARAMS_KEYS)
 
 
 def check_path(path: Path) -> Checked:

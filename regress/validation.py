@@ -1,10 +1,14 @@
 """Turn pydantic validation errors into messages a user can act on, and read YAML safely.
 
-A message says which field, what is allowed, what was given. YAML is read with bounded alias
-expansion (:func:`load_yaml`)."""
+A message says which field, what is allowed, what was given. Every user YAML (params.yaml, a
+prompt set's card) is read by :func:`load_yaml`: bounded alias expansion, and no key twice in
+one mapping, no key that is not a string (YAML's "last one wins" would silently drop the first).
+:func:`value_problems` finds what no schema should have to refuse field by field: infinities and
+NaN (they switch a bound off) and lone surrogates (text no file can hold)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -35,6 +39,66 @@ class _BoundedLoader(yaml.SafeLoader):
                     "aliases (YAML alias bombs)", self.peek_event().start_mark)
         return super().compose_node(parent, index)
 
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        # A scalar Python refuses to build (a 5000-digit int, 2001-13-45) is a YAML error at its line.
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            text = node.value if isinstance(node, yaml.ScalarNode) else node.tag
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read the value {str(text)[:40]!r}: {str(exc)[:160]}", node.start_mark) from None
+
+
+def _key_error(message: str, mark: Any, field: str) -> yaml.constructor.ConstructorError:
+    """A key twice in one mapping, or a key that is not a string; its ``field`` attribute is the
+    key's dotted path (:func:`yaml_error_field`)."""
+    error = yaml.constructor.ConstructorError(None, None, message, mark)
+    error.field = field  # type: ignore[attr-defined]
+    return error
+
+
+def yaml_error_field(exc: BaseException) -> str | None:
+    """The dotted key a YAML error is about, where :func:`load_yaml` knows it."""
+    field = getattr(exc, "field", None)
+    return field if isinstance(field, str) else None
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_keys(loader: _BoundedLoader, root: yaml.Node) -> None:
+    """Refuse a key that appears twice in one mapping (naming the second one's line) and a key
+    that is not a string. Keys brought in by a merge (``<<: *anchor``) may be overridden, as
+    YAML says; each mapping node is checked once (aliases share them)."""
+    checked: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, prefix = stack.pop()
+        if id(node) in checked:
+            continue
+        checked.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{prefix}[{i}]") for i, child in enumerate(node.value))
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                stack.append((value_node, prefix))
+                continue
+            text = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            path = f"{prefix}.{text}" if prefix else str(text)
+            key = loader.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+            if not isinstance(key, str):
+                shown = "null" if key is None else (str(key).lower() if isinstance(key, bool) else repr(key))
+                raise _key_error(f"the key {shown} is not a string: names and fields are text (quote it: "
+                                   f"'{text}')", key_node.start_mark, path)
+            if key in first:
+                raise _key_error(f"the key '{key}' appears twice in the same mapping (first on line {first[key]}); "
+                                   "YAML would keep the last one silently", key_node.start_mark, path)
+            first[key] = key_node.start_mark.line + 1
+            stack.append((value_node, path))
 
 def _check_expansion(root: yaml.Node) -> None:
     """Refuse a composed document whose expansion (every alias copied out) exceeds
@@ -75,6 +139,7 @@ def _compose(loader: _BoundedLoader) -> yaml.Node | None:
         raise yaml.YAMLError("nested too deeply") from exc
     if node is not None:
         _check_expansion(node)
+        _check_keys(loader, node)
     return node
 
 
@@ -90,7 +155,8 @@ def compose_yaml(text: str) -> yaml.Node | None:
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses alias bombs before constructing anything: more than
     :data:`MAX_YAML_ALIASES` aliases, an expansion beyond :data:`MAX_YAML_NODES` values, or an
-    alias inside what it names. Raises ``yaml.YAMLError`` (a ``MarkedYAMLError`` with the line
+    alias inside what it names; and a key twice in one mapping or a key that is not a string
+    (:func:`yaml_error_field` names the key). Raises ``yaml.YAMLError`` (a ``MarkedYAMLError`` with the line
     where it can), as ``safe_load`` does, so callers' messages name file and line."""
     loader = _BoundedLoader(text)
     try:
@@ -98,6 +164,48 @@ def load_yaml(text: str) -> Any:
         return None if node is None else loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def yaml_error_line(exc: BaseException) -> int | None:
+    """The 1-based line a YAML error points at, if it points anywhere."""
+    mark = getattr(exc, "problem_mark", None)
+    return mark.line + 1 if mark is not None else None
+
+
+def utf8_error_line(raw: bytes, exc: UnicodeDecodeError) -> int:
+    """The 1-based line of the first byte that is not UTF-8."""
+    return raw.count(b"\n", 0, exc.start) + 1
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= ch <= "\udfff" for ch in text)
+
+
+def value_problems(data: Any, prefix: str = "", *, finite: bool = True) -> list[tuple[str, str]]:
+    """(dotted field, problem) for every infinite or NaN number (with ``finite``) and every
+    string or key holding a lone surrogate (``"\\ud800"``: no UTF-8 file can hold it, so every
+    later write of it fails), anywhere in ``data``."""
+    problems: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(data, prefix)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                inner_path = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _has_surrogate(key):
+                    problems.append((path or inner_path, f"the key {key!r} holds a lone surrogate, not valid Unicode text"))
+                    continue
+                stack.append((inner, inner_path))
+        elif isinstance(value, list):
+            stack.extend((inner, f"{path}[{i}]") for i, inner in enumerate(value))
+        elif isinstance(value, str) and _has_surrogate(value):
+            problems.append((path, f"{value[:40]!r} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                                   "not valid Unicode text"))
+        elif finite and isinstance(value, float) and not math.isfinite(value):
+            problems.append((path, f"must be a finite number, not {value!r} (an infinite or NaN bound switches its "
+                                   "check off; leave the field out or set null for the default)"))
+    problems.reverse()
+    return problems
 
 
 def yaml_key_lines(text: str) -> dict[str, int]:
@@ -137,6 +245,8 @@ def check_candidate_name(name: str, *, what: str = "candidate name") -> str:
 
 def line_for(lines: dict[str, int], dotted: str) -> int | None:
     """The line of ``dotted`` in :func:`yaml_key_lines` output, else of its nearest parent key."""
+    if dotted not in lines and "[" in dotted:  # noise.arms[0].name: the list's key, then its item's
+        dotted = re.sub(r"\[\d+\]", "", dotted)
     parts = dotted.split(".")
     while parts:
         found = lines.get(".".join(parts))

@@ -162,7 +162,9 @@ def test_plugin_thresholds_are_validated_and_unknown_keys_still_rejected(case: C
     assert "regression_length_ratio" in result.stderr  # listed among the allowed keys
     _params(case)
     result = run_cli("score", "candidate", "--run", "run", cwd=case.root)  # the plugin not installed here
-    assert result.returncode == 2 and "unknown metric 'length_ratio'" in result.stderr
+    # Refused when params.yaml is read (validate says it too), naming the line and field.
+    assert result.returncode == 2 and "no metric named 'length_ratio' is registered" in result.stderr
+    assert "field 'thresholds.metrics[" in result.stderr
 
 
 # ------------------------------------------------------------------ the registry

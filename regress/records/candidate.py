@@ -129,11 +129,11 @@ class CandidateSpec(_Strict):
     """Environment variables for the engine process (e.g. VLLM_BATCH_INVARIANT=1)."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """Sampling defaults of this deployment (the prompt set's defaults override them)."""
-    allow_input_drift: bool = Field(False, exclude_if=lambda v: not v)
+    allow_input_drift: bool = Field(False, strict=True, exclude_if=lambda v: not v)
     """Accept prompts whose input tokens changed (a new tokenizer or chat template rolled out on
     purpose): they are reported, not failing. Left out of the stored form when False, so plans
     and runs made before it keep their fingerprints."""
-    layered: bool = Field(False, exclude_if=lambda v: not v)
+    layered: bool = Field(False, strict=True, exclude_if=lambda v: not v)
     """Install ``requirements`` into a thin environment layered over the cached environment of
     ``package`` alone, instead of a full environment of both (a plugin checked at many versions
     over one engine: seconds per version, not minutes). Needs ``requirements`` and a package spec
