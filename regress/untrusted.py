@@ -8,8 +8,8 @@ workflow command: ``::add-mask::``, ``::error::``, ``::stop-commands::``. The ru
 the older ``##[command]`` form anywhere in a line.
 
 :func:`printable` is what every such text goes through before stdout, stderr or a log: control
-characters (C0 but tab and newline, DEL, C1, and the Unicode format characters that reorder or
-break lines) are shown as ``\\uNNNN`` (ESC as ``\\u001b``), a ``::`` that would start a line
+characters (C0 but tab and newline, DEL, C1, the Unicode format characters that reorder or
+break lines, and lone surrogates) are shown as ``\\uNNNN`` (ESC as ``\\u001b``), a ``::`` that would start a line
 becomes ``\\::`` and ``##[`` becomes ``##\\u005b``: JSON's escapes, so that printed JSON stays
 JSON (where no line can start with ``::``). The text stays readable; no command and no escape sequence survives.
 :func:`without_controls` does only the first part, for text whose lines are encoded by its own
@@ -22,8 +22,10 @@ import re
 
 # Tab and newline are kept: they are what makes a multi-line message readable. Everything else
 # below 0x20, DEL and C1 (0x80-0x9f, NEL among them), and the format characters that reorder text
-# (bidi embeddings, overrides and isolates: "Trojan Source") or break lines (U+2028, U+2029).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# (bidi embeddings, overrides and isolates: "Trojan Source") or break lines (U+2028, U+2029);
+# and lone surrogates (U+D800-DFFF, from a JSON "\\ud800" escape): no UTF-8 writer can encode them.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                      "\ud800-\udfff]")
 # A workflow command: "::" first on a line after any whitespace (the runner trims it, Unicode
 # spaces included); and the old "##[" form, read anywhere in a line.
 _COMMAND = re.compile(r"^([^\S\n]*)::", re.MULTILINE)

@@ -269,7 +269,7 @@ def test_junit_survives_hostile_ids(case: Case) -> None:
     text = junit_xml(case.score.model_copy(update={"scores": scores}))
     root = ET.fromstring(text.encode())
     tc = root.findall("testsuite/testcase")[1]  # after the run-level fidelity case
-    assert tc.get("name") == xml_text(bad) and "\ufffd<&>" in tc.get("name")
+    assert tc.get("name") == xml_text(bad) and "\\u0000<&>" in tc.get("name")  # controls shown, as the CLI does
     assert tc.find("failure").get("message") == xml_text(bad)
 
 
@@ -288,11 +288,11 @@ def test_summary(case: Case, written: Path) -> None:
 
 
 def test_markdown_escaping() -> None:
-    assert md_code("a|b") == "`a\\|b`"
+    assert md_code("a|b") == "`a|b`" and md_code("a|b", cell=True) == "`a\\|b`"
     assert md_code("x `y` z") == "``x `y` z``"
     assert md_code("`") == "`` ` ``"
     assert md_text("<img src=x> [a](javascript:b) @team *x*") == \
-        "\\<img src=x\\> \\[a\\]\\(javascript:b\\) \\@team \\*x\\*"
+        "\\<img src=x\\> \\[a\\]\\(javascript:b\\) `@team` \\*x\\*"
     assert "\n" not in md_text("a\nb") and "\n" not in md_code("a\nb")
 
 
@@ -349,5 +349,5 @@ def test_lone_surrogates_do_not_break_writing(case: Case, tmp_path: Path) -> Non
     scores = [s.model_copy(update={"tags": ["bad\ud800tag"], "reasons": ["why \udfff"]}) for s in case.score.scores]
     score = case.score.model_copy(update={"scores": scores})
     page = write_candidate_report(score, case.golden, case.run, None, tmp_path / "r")
-    assert "bad?tag" in page.read_text(encoding="utf-8")
+    assert "bad\\ud800tag" in page.read_text(encoding="utf-8")
     ET.parse(tmp_path / "r" / JUNIT_FILE)

@@ -56,22 +56,68 @@ def write_candidate_report(score: ScoredRun, golden: RunResult, run: RunResult, 
     from regress.report.render import render_candidate
     from regress.report.summary import summary_markdown
 
-    from regress.scoring import scoring_id
-
     out = Path(out_dir)
     page = out / INDEX_FILE
     # A comment after the content: invisible in the page, the rendered summary and junit readers.
-    trailer = f"\n{_TRAILER_START}{scoring_id(score)} -->\n"
+    trailer = f"\n{_TRAILER_START}{_scoring_id(score)} -->\n"
     atomic_write_text(out / JUNIT_FILE, junit_xml(score, diagnosis=diagnosis, prompt_set=prompt_set).rstrip("\n") + trailer)
     atomic_write_text(out / SUMMARY_FILE,
                       summary_markdown(score, report_link, diagnosis=diagnosis).rstrip("\n") + "\n" + trailer)
     atomic_write_text(page, render_candidate(score, golden, run, prompt_set, index_link=index_link,
                                              diagnosis=diagnosis).rstrip("\n") + trailer)
-    atomic_write_text(out / METRICS_FILE, score.metrics.model_dump_json(indent=2))
+    atomic_write_text(out / METRICS_FILE, _metrics_json(score))
     return page
 
 
+def _metrics_json(score: ScoredRun) -> str:
+    """``metrics.json``'s text. A lone surrogate (a prompt id or tag from a JSON ``\\ud800`` escape,
+    in the lost ids or the slices) cannot be written as UTF-8, nor read back by pydantic when
+    escaped: it becomes '?', as in the page, rather than stopping the report."""
+    from pydantic_core import PydanticSerializationError
+
+    try:
+        return score.metrics.model_dump_json(indent=2)
+    except PydanticSerializationError:
+        import json
+        import math
+
+        from regress.report.render import valid_text
+
+        def writable(value: Any) -> Any:  # what model_dump_json would write: non-finite floats as null
+            if isinstance(value, str):
+                return valid_text(value)
+            if isinstance(value, float) and not math.isfinite(value):
+                return None
+            if isinstance(value, dict):
+                return {writable(k): writable(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [writable(v) for v in value]
+            return value
+
+        return json.dumps(writable(score.metrics.model_dump(mode="json")), indent=2, ensure_ascii=False,
+                          allow_nan=False)
+
+
 _TRAILER_START = "<!-- regress-scoring: "
+
+
+def _scoring_id(score: ScoredRun) -> str:
+    """:func:`regress.scoring.scoring_id`; for a scoring holding a lone surrogate (which it cannot
+    encode, nor can scores.json be written with one: such a scoring is only ever in memory), the
+    same hash of what metrics.json holds instead."""
+    from pydantic_core import PydanticSerializationError
+
+    from regress.scoring import scoring_id
+
+    try:
+        return scoring_id(score)
+    except (PydanticSerializationError, UnicodeEncodeError):
+        import hashlib
+
+        from regress.report.render import valid_text
+
+        identity = "|".join([score.created_at.isoformat(), score.run.run_id, score.golden.run_id, _metrics_json(score)])
+        return hashlib.sha256(valid_text(identity).encode("utf-8")).hexdigest()[:16]
 
 
 def check_report(score: ScoredRun, out_dir: str | Path) -> None:
@@ -79,10 +125,10 @@ def check_report(score: ScoredRun, out_dir: str | Path) -> None:
     in ``out_dir`` that is not of ``score``'s scoring (missing, from an earlier scoring, or
     written before reports named their scoring)."""
     from regress.errors import StorageError
-    from regress.scoring import check_metrics_beside, scoring_id
+    from regress.scoring import check_metrics_beside
 
     out = Path(out_dir)
-    expected = f"{_TRAILER_START}{scoring_id(score)} -->"
+    expected = f"{_TRAILER_START}{_scoring_id(score)} -->"
     for name in (JUNIT_FILE, SUMMARY_FILE, INDEX_FILE):
         path = out / name
         try:

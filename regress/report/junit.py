@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from regress.metrics import output_specs
 from regress.metrics.spec import headline
 from regress.records import PromptScore, RunMetrics, ScoredRun
+from regress.untrusted import without_controls
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis, PromptDiagnosis
@@ -34,8 +35,11 @@ _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-
 
 
 def xml_text(value: object) -> str:
-    """Text XML 1.0 can hold: characters it forbids (NUL, most C0 controls, lone surrogates) become U+FFFD."""
-    return _NOT_XML.sub("\ufffd", str(value))
+    """Text XML 1.0 can hold, shown as the CLI shows it: control and bidi characters (a right-to-left
+    override that would reorder a CI view's line) and lone surrogates as ``\\uNNNN``
+    (:func:`regress.untrusted.without_controls`; tab, newline and CR kept); anything else XML forbids
+    (U+FFFE, U+FFFF) becomes U+FFFD."""
+    return _NOT_XML.sub("\ufffd", without_controls(str(value), keep="\t\n\r"))
 
 
 def shown_metrics() -> list[str]:

@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
 
 from regress.records import ScoredRun
 from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import build_payload, cause_mitigation, causes_by_count, diagnosis_of
 from regress.runs import RunResult
+from regress.untrusted import without_controls
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
@@ -32,11 +34,29 @@ TEMPLATES = Path(__file__).parent / "templates"
 SCRIPT, STYLE = "report.js", "report.css"
 
 
+def shown(value: Any) -> Any:
+    """What a template writes for ``value`` (Jinja's ``finalize``, before autoescaping): text with its
+    control and bidi characters shown as ``\\uNNNN``, as the CLI, summary.md and junit.xml show them.
+
+    Escaped visibly rather than isolated (``<bdi>``, ``unicode-bidi: isolate``): isolation would
+    keep a right-to-left override in a prompt id from reordering what follows it, but the id itself
+    would still read reversed, and would not match the same id in the CLI's output or summary.md.
+    Markup too (``join`` and ``replace`` return it): the escapes hold no markup character, and in
+    the data block (``tojson``) they are JSON's own escapes, so the script reads the text as it was
+    and shows it the same way (report.js's ``escapeControls``)."""
+    if isinstance(value, Markup):
+        return Markup(without_controls(str(value)))
+    if isinstance(value, str):
+        return without_controls(value)
+    return value
+
+
 @functools.lru_cache(maxsize=1)
 def environment() -> Environment:
-    """The report's Jinja environment: autoescape on for every template name, undefined is an error."""
+    """The report's Jinja environment: autoescape on for every template name, undefined is an error,
+    control and bidi characters shown (:func:`shown`)."""
     env = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=True, undefined=StrictUndefined,
-                      trim_blocks=True, lstrip_blocks=True)
+                      trim_blocks=True, lstrip_blocks=True, finalize=shown)
     env.policies["json.dumps_kwargs"] = {"ensure_ascii": False, "separators": (",", ":"), "allow_nan": False}
     env.filters["fmt"] = overview.fmt
     return env

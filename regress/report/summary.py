@@ -1,8 +1,13 @@
 """``summary.md``: the verdict in Markdown, for a CI job summary or a pull-request comment.
 
 Prompt ids, tags and configuration values come from users' files: they go into code spans
-(nothing inside is a link, an @-mention or HTML) with ``|`` escaped for tables; other text is
-backslash-escaped. Model outputs are never included.
+(nothing inside is a link, an @-mention or HTML), with ``|`` escaped in table cells only (a table
+cell unescapes ``\\|``; anywhere else it would show as written); other text is backslash-escaped,
+and a word of it that GitHub would make a link (a bare URL, ``www.``, an e-mail address or an
+@-mention: GFM's autolinks, which backslashes cannot stop) goes into a code span of its own. Both
+show control and bidi characters (and lone surrogates) as ``\\uNNNN``, as the CLI does
+(:func:`regress.untrusted.without_controls`): a right-to-left override in a prompt id cannot
+reorder the rest of its line. Model outputs are never included.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import cause_mitigation, causes_by_count, diagnosis_of
 from regress.report.render import valid_text
+from regress.untrusted import without_controls
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
@@ -27,20 +33,35 @@ CELL_CAP = 80
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#!|~&@])")
 
 
-def md_text(value: object, cap: int = 300) -> str:
-    """Plain text for Markdown: one line, every character Markdown could act on escaped."""
+# A word GitHub would turn into a link although every character Markdown acts on is escaped: GFM's
+# extended autolinks (``https://``, ``ftp://``, ``www.``, an e-mail address, ``mailto:``/``xmpp:``
+# with one), found in the rendered text, and GitHub's @-mentions and ``#1``/``owner/repo#1`` references.
+_LINKISH = re.compile(r"://|www\.|@|#\w", re.IGNORECASE)
+
+
+def _one_line(value: object, cap: int) -> str:
+    """``value`` on one line (whitespace runs as one space), capped, controls shown as ``\\uNNNN``."""
     text = " ".join(str(value).split())
     if len(text) > cap:
         text = text[:cap] + "…"
-    return _MD_SPECIAL.sub(r"\\\1", text)
+    return without_controls(text, keep="")
 
 
-def md_code(value: object, cap: int = CELL_CAP) -> str:
-    """A code span safe in a table cell."""
-    text = " ".join(str(value).split())
-    if len(text) > cap:
-        text = text[:cap] + "…"
-    text = text.replace("|", "\\|")
+def md_text(value: object, cap: int = 300, *, cell: bool = False) -> str:
+    """Plain text for Markdown: one line, every character Markdown could act on escaped, and each
+    word GitHub would make a link in a code span (``cell``: the text is in a table cell)."""
+    words = _one_line(value, cap).split(" ")
+    return " ".join(_code_span(w, cell) if _LINKISH.search(w) else _MD_SPECIAL.sub(r"\\\1", w) for w in words)
+
+
+def md_code(value: object, cap: int = CELL_CAP, *, cell: bool = False) -> str:
+    """A code span; ``cell``: in a table cell (whose ``|`` must be escaped, and is unescaped there)."""
+    return _code_span(_one_line(value, cap), cell)
+
+
+def _code_span(text: str, cell: bool) -> str:
+    if cell:
+        text = text.replace("|", "\\|")
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
@@ -104,7 +125,8 @@ def _diagnosis_markdown(score: ScoredRun, diagnosis: "Diagnosis | None") -> list
     causes = causes_by_count(diagnosis)
     if causes:
         lines += ["", "| cause | prompts | mitigation |", "|---|---:|---|"]
-        lines += [f"| {md_text(c)} | {n:,} | {md_text(cause_mitigation(diagnosis, c), 200)} |" for c, n in causes]
+        lines += [f"| {md_text(c, cell=True)} | {n:,} | {md_text(cause_mitigation(diagnosis, c), 200, cell=True)} |"
+                  for c, n in causes]
     else:
         lines += ["", "No prompt was diagnosed."]
     if diagnosis.left_out:
@@ -127,7 +149,7 @@ def quality_markdown(m: Any) -> list[str]:
     if q.slices:
         lines += ["", "| slice | prompts | golden | candidate | difference (points) | interval | Holm p |",
                   "|---|---:|---:|---:|---:|---|---:|"]
-        lines += [f"| {md_text(s.tag)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,g} | "
+        lines += [f"| {md_text(s.tag, cell=True)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,g} | "
                   f"{s.candidate_correct:,g} | {s.difference * 100:+.1f} | {s.low * 100:+.1f} to {s.high * 100:+.1f} | "
                   f"{s.p_adjusted:.2g} |" for s in q.slices]
     return lines
@@ -151,9 +173,10 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
               "|---:|" + "---:|" * len(overview.counts(m)),
               f"| {m.prompts:,} | " + " | ".join(f"{c.count:,}" for c in overview.counts(m)) + " |", ""]
     lines += ["| measure | value |", "|---|---:|"]
-    lines += [f"| {x.label} | {md_text(x.value)} |" for x in overview.measures(m) + overview.rates(m)]
+    lines += [f"| {x.label} | {md_text(x.value, cell=True)} |" for x in overview.measures(m) + overview.rates(m)]
     for p in overview.performance(score):
-        lines.append(f"| {p.label} | {md_text(p.candidate)} (golden {md_text(p.golden)}, {md_text(p.change)}) |")
+        lines.append(f"| {p.label} | {md_text(p.candidate, cell=True)} (golden {md_text(p.golden, cell=True)}, "
+                     f"{md_text(p.change, cell=True)}) |")
     lines += _latency_markdown(score)
     lines += _answers_markdown(score)
     nf = m.noise_floor
@@ -177,7 +200,8 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
     lines += ["", f"**Configuration:** {len(changed)} setting(s) differ from the baseline."]
     if changed:
         lines += ["", "| setting | baseline | candidate |", "|---|---|---|"]
-        lines += [f"| {s.section}: {md_text(s.name)} | {md_code(s.baseline)} | {md_code(s.candidate)} |"
+        lines += [f"| {s.section}: {md_text(s.name, cell=True)} | {md_code(s.baseline, cell=True)} | "
+                  f"{md_code(s.candidate, cell=True)} |"
                   for s in changed[:CHANGES_LISTED]]
         if len(changed) > CHANGES_LISTED:
             lines.append(f"| … {len(changed) - CHANGES_LISTED} more | | |")
@@ -186,7 +210,8 @@ def summary_markdown(score: ScoredRun, report_link: str | None = None, *,
         total = m.regression + m.drift + m.input_drift
         lines += ["", f"**Worst prompts** ({len(worst)} of {total:,} regressions, drifts and input drifts):", "",
                   "| prompt | class | severity | first div. | why |", "|---|---|---:|---:|---|"]
-        lines += [f"| {md_code(w.prompt_id)} | {w.label} | {w.severity} | {w.divergence} | {md_text(w.reason, 160)} |"
+        lines += [f"| {md_code(w.prompt_id, cell=True)} | {w.label} | {w.severity} | {w.divergence} | "
+                  f"{md_text(w.reason, 160, cell=True)} |"
                   for w in worst]
     lines += _diagnosis_markdown(score, diagnosis_of(score, diagnosis))
     if report_link:

@@ -19,10 +19,18 @@
 
   // ---------------------------------------------------------------- helpers
 
+  // Control and bidi characters (and lone surrogates) shown as \uNNNN, as the server-rendered part,
+  // the CLI, summary.md and junit.xml show them (regress.untrusted): a right-to-left override in an
+  // id, a tag or an output cannot reorder what follows it, and the text reads as it is.
+  var CONTROL = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]|[\ud800-\udbff](?![\udc00-\udfff])|(?<![\ud800-\udbff])[\udc00-\udfff]/g;
+  function escapeControls(text) {
+    return String(text).replace(CONTROL, function (c) { return "\\u" + ("000" + c.charCodeAt(0).toString(16)).slice(-4); });
+  }
+  function txt(text) { return document.createTextNode(escapeControls(text)); }
   function el(tag, cls, text) {
     var e = document.createElement(tag);
     if (cls) e.className = cls;
-    if (text !== undefined && text !== null) e.textContent = String(text);
+    if (text !== undefined && text !== null) e.textContent = escapeControls(text);
     return e;
   }
   function add(parent) {
@@ -32,7 +40,7 @@
   function sv(tag, attrs, text) {
     var e = document.createElementNS(SVGNS, tag);
     for (var k in attrs) if (Object.prototype.hasOwnProperty.call(attrs, k)) e.setAttribute(k, String(attrs[k]));
-    if (text !== undefined) e.textContent = String(text);
+    if (text !== undefined) e.textContent = escapeControls(text);
     return e;
   }
   function val(p, name) {
@@ -170,11 +178,11 @@
     var td = el("td", "dx");
     if (!p.dx) return td;
     p.dx.c.forEach(function (cause, i) {
-      if (i) td.appendChild(document.createTextNode(", "));
+      if (i) td.appendChild(txt(", "));
       td.appendChild(el("span", "cause", cause));
     });
-    td.title = p.dx.c.join(", ") + (p.dx.e ? " (shown by a probe)" : " (by elimination)") +
-      "\nwhy: " + p.dx.y + "\nmitigation: " + p.dx.mi;
+    td.title = escapeControls(p.dx.c.join(", ") + (p.dx.e ? " (shown by a probe)" : " (by elimination)") +
+      "\nwhy: " + p.dx.y + "\nmitigation: " + p.dx.mi);
     return td;
   }
 
@@ -188,7 +196,7 @@
       more.title = (p.why.length - 1) + " more reason" + (p.why.length > 2 ? "s" : "");
       td.appendChild(more);
     }
-    td.title = p.why.join("\n");
+    td.title = escapeControls(p.why.join("\n"));
     return td;
   }
 
@@ -504,7 +512,7 @@
   function outputText(p, side) {
     var pre = el("pre", "text");
     if (p.s0) pre.appendChild(cut(p.s0, "before"));
-    pre.appendChild(document.createTextNode(p.s));
+    pre.appendChild(txt(p.s));
     if (p.s1) pre.appendChild(cut(p.s1, "after"));
     var rest = p[side];
     if (rest !== undefined) {
@@ -523,7 +531,7 @@
       endsAt[r[1] - 1] = r[2];
     });
     return {
-      title: function (j) { return of[j] === undefined ? "" : " · byte pieces of “" + of[j] + "”"; },
+      title: function (j) { return of[j] === undefined ? "" : " · byte pieces of “" + escapeControls(of[j]) + "”"; },
       after: function (box, j) {
         if (endsAt[j] !== undefined) box.appendChild(el("span", "cut", "= " + visible(endsAt[j])));
       }
@@ -573,12 +581,12 @@
       var bar = el("span", "pbar");
       bar.style.width = Math.round(prob * 80) + "px";
       var pc = el("td");
-      add(pc, bar, document.createTextNode(" " + (prob * 100).toFixed(1) + " %"));
+      add(pc, bar, txt(" " + (prob * 100).toFixed(1) + " %"));
       var tok = el("td", "t", visible(r[0]));
       tok.title = r[2] === 1 ? "this side chose it" : r[2] === 2 ? "the other side chose it" : "";
       if (r[3]) {  // a byte piece completing characters begun by the pieces before it
         tok.appendChild(el("span", "cut", " → " + visible(r[3])));
-        tok.title = (tok.title ? tok.title + " · " : "") + "with the byte pieces before it: " + r[3];
+        tok.title = (tok.title ? tok.title + " · " : "") + "with the byte pieces before it: " + escapeControls(r[3]);
       }
       add(tr, el("td", "num", i + 1), tok, el("td", "num", isNum(r[1]) ? r[1].toFixed(3) : "—"), pc);
       body.appendChild(tr);
@@ -617,7 +625,7 @@
       p.pm.forEach(function (m) {
         if (m[0]) pre.appendChild(el("span", "role", m[0]));
         if (m[2]) pre.appendChild(cut(m[2], "before"));
-        pre.appendChild(document.createTextNode(m[1]));
+        pre.appendChild(txt(m[1]));
       });
       body.appendChild(pre);
     }
@@ -740,7 +748,7 @@
     var sides = el("div", "answer-sides");
     [["golden", a[1], a[3]], ["candidate", a[2], a[4]]].forEach(function (side) {
       var s = el("span", "answer-side " + (side[1] ? "ok" : "no"), side[0] + (side[1] ? " ✓ correct" : " ✗ incorrect"));
-      if (side[1] && side[2] !== null && side[2] !== undefined) s.title = "contains “" + side[2] + "”";
+      if (side[1] && side[2] !== null && side[2] !== undefined) s.title = "contains “" + escapeControls(side[2]) + "”";
       sides.appendChild(s);
     });
     if (a[1] !== a[2]) sides.appendChild(el("span", "answer-flip " + (a[1] ? "lost" : "gained"), a[1] ? "answer lost" : "answer gained"));
