@@ -59,6 +59,7 @@ def gate(
     Each line: PASS or FAIL as the candidate's gate decides (`gate:` on the candidate: fidelity for engine releases and serving settings, quality for changes made on purpose), then both verdicts: fidelity (outputs against the baseline's noise) and quality (answers, paired, against a margin)."""
     from regress.config import load_params
     from regress.errors import ConfigError, StorageError
+    from regress.gate_check import check_metrics
     from regress.records import RunMetrics
     from regress.scoring import METRICS_FILE
     from regress.validation import check_candidate_name
@@ -85,6 +86,7 @@ def gate(
             m = RunMetrics.model_validate_json(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StorageError(f"{path}: cannot read the candidate's metrics ({exc})") from exc
+        check_metrics(path, m, params=p, candidate=name)  # a pass its own counts contradict is refused
         if m.gating_failed:
             failed.append(name)
         latency = ""

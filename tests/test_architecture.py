@@ -29,8 +29,8 @@ LAYERS: dict[str, int] = {
     "diagnosis": 0, "noise": 0, "power": 0,
     # L1 settings and inputs
     "config": 1, "worker.settings": 1, "watch.config": 1, "watch.settings": 1, "diagnosis.settings": 1,
-    "noise.settings": 1, "datasets": 1, "runs": 1, "envs": 1, "provenance": 1, "effective": 1, "verdict": 1,
-    "quality": 1,
+    "noise.settings": 1, "datasets": 1, "runs": 1, "run_values": 1, "run_pairs": 1, "envs": 1, "provenance": 1, "effective": 1, "verdict": 1,
+    "quality": 1, "gate_check": 1, "thresholds_check": 1,
     "latency": 1, "trend": 1, "deadlines": 1,
     # The plugin registries and interfaces sit with the settings that name plugins (config checks
     # a backend name, the verdict reads the metric specs): the package faces and their base
@@ -47,7 +47,7 @@ LAYERS: dict[str, int] = {
     # L4 orchestration
     "checks": 4, "preflight": 4, "scaffold": 4, "noise.arms": 4, "power.ladder": 4, "quick": 4, "diagnosis.run": 4, "worker": 4, "report": 4,
     # L5 commands
-    "cli": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "cli_help": 5, "cli_results": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
+    "cli": 5, "__main__": 5, "cli_boundary": 5, "cli_output": 5, "cli_options": 5, "cli_guard": 5, "cli_help": 5, "cli_results": 5, "envs.cli": 5, "watch": 5, "bisect": 5,
     "power.cli": 5,
 }
 

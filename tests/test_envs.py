@@ -160,13 +160,13 @@ def test_an_environment_without_digest_is_adopted_once_then_checked(tiny_venv, t
     with pytest.raises(CandidateEnvError, match="has no recorded content digest") as refused:
         find_env(TINY)  # find_env never trusts an unrecorded environment ...
     assert str(path) in str(refused.value) and "regress env verify tiny-pkg==1.0" in str(refused.value)
-    env, created = ensure_env(TINY)  # ... ensure_env adopts it: its marker says the build finished
+    env, created = ensure_env(TINY, adopt=True)  # ... `regress env create` adopts it: its marker says the build finished
     assert not created and env.info["integrity"]["adopted"] is True
     files = json.loads((path / ENV_MANIFEST).read_text())["files"]
     assert env.info["integrity"]["files"] == len(files) and MODULE in files and "bin/tiny" in files
     assert files["bin/python"][0] == "l" and ENV_MARKER not in files
     marker = (path / ENV_MARKER).read_text()
-    assert ensure_env(TINY) == (env, False) and (path / ENV_MARKER).read_text() == marker  # adopted once
+    assert ensure_env(TINY, adopt=True) == (env, False) and (path / ENV_MARKER).read_text() == marker  # adopted once
     assert find_env(TINY) == env
 
 

@@ -333,7 +333,9 @@ def test_regress_gate_fails_on_latency_only_when_it_gates(base: Case, tmp_path: 
         "latency_reasons": ["p95 time to first token 1.50x the golden's > 1.2x"]})
     (tmp_path / "scores" / "c").mkdir(parents=True)
     (tmp_path / "scores" / "c" / "metrics.json").write_text(metrics.model_dump_json())
-    (tmp_path / "params.yaml").write_text("dataset: p.jsonl\nbaseline: {model: m}\ncandidates: {c: {}}\n")
+    # Thresholds under which the base run's outputs pass (the gate refuses a pass its counts contradict).
+    (tmp_path / "params.yaml").write_text("dataset: p.jsonl\nbaseline: {model: m}\ncandidates: {c: {allow_input_drift: true}}\n"
+                                          f"thresholds: {{max_regressions: {PROMPTS}}}\n")
     gate = run_cli("gate", "c", cwd=tmp_path)
     assert gate.returncode == code, gate.stdout + gate.stderr
     shown = "latency FAIL (gating)" if gates else "latency FAIL (reported, not gating)"

@@ -74,9 +74,13 @@ marker holds the SHA-256 of that list's contents (paths, kinds, hashes) and the 
 A difference refuses the environment with a :class:`CandidateEnvError` naming it, the first
 differing file and the commands that rebuild it; it is never rebuilt silently, which would hide
 whatever changed it. Environments made before digests were recorded carry no digest: they are
-*adopted* (hashed once, the digest recorded) by :func:`ensure_env` and :func:`verify_env` rather
-than rebuilt (minutes per vLLM version per machine). That is acceptable only because their marker
-predates this feature and says the build finished; :func:`find_env` refuses them.
+*adopted* (hashed once, the digest recorded) by ``regress env create`` (``ensure_env(adopt=True)``)
+and :func:`verify_env` rather than rebuilt (minutes per vLLM version per machine): a person's
+command, never a run's (:func:`find_env`, :func:`python_for` refuse them), since a marker without a
+digest is also what a planted environment would carry. A marker must name the spec whose directory
+it is in (``package``, ``key``: an environment copied under another spec's name is refused). An
+environment directory may be a symbolic link (a shared environment, the test suite's layered
+homes): what protects it is its content record, checked wherever it lies.
 
 Not covered: bytecode in ``__pycache__`` (a forged ``.pyc`` matching its source's mtime and
 size is loaded); anything outside the environment (the base interpreter ``bin/python`` links

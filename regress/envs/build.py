@@ -155,13 +155,16 @@ def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
 
 
 def ensure_env(
-    spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None, relock: bool = False
+    spec: EnvSpec, *, candidate: str | None = None, on_line: LineCallback | None = None, relock: bool = False,
+    adopt: bool = False,
 ) -> tuple[CandidateEnv, bool]:
     """The environment for ``spec``, created if missing. Returns (environment, whether it was created).
 
     An existing environment is checked against its content record first (quick check, see
     :mod:`regress.envs`, "Integrity") and refused with :class:`CandidateEnvError` when it differs; one made
-    before digests were recorded is adopted (hashed once, its digest recorded).
+    before digests were recorded is adopted (hashed once, its digest recorded) only with ``adopt``
+    (``regress env create``, asked for by a person): otherwise refused, since a marker without a
+    digest is also what anyone planting an environment in a shared cache would write.
 
     A layered spec first ensures its base (the environment of ``package`` alone, created if
     missing, checked as above), then the layer over it; an existing layer is refused when its
@@ -198,6 +201,8 @@ def ensure_env(
                 _keep_lock(existing)
                 return existing, False
             if not existing.has_digest:
+                if not adopt:
+                    raise _no_digest(existing, who)
                 if on_line:
                     on_line(f"recording the content digest of {existing.path} (made before regress recorded one)")
                 adopted = _adopt(existing, who)[0]

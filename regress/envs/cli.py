@@ -119,13 +119,13 @@ def env_create(
     if len(specs) == 1:
         with stderr_console.status(f"creating environment for {specs[0].describe()}") as status:
             env, created = ensure_env(specs[0], on_line=lambda line: status.update(escape(f"pip: {line[:100]}")),
-                                      relock=relock)
+                                      relock=relock, adopt=True)
         _out(f"{specs[0].describe()}: {'created' if created else 'reused'} {env.path}")
         return
     # pip spends much of its time waiting on downloads and disk: a few at once finish sooner.
     with stderr_console.status(f"creating {len(specs)} environments: {', '.join(s.describe() for s in specs)}"):
         with ThreadPoolExecutor(len(specs), thread_name_prefix="env") as pool:
-            results = list(pool.map(partial(ensure_env, relock=relock), specs))
+            results = list(pool.map(partial(ensure_env, relock=relock, adopt=True), specs))
     for spec, (env, created) in zip(specs, results):
         _out(f"{spec.describe()}: {'created' if created else 'reused'} {env.path}")
 

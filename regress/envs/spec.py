@@ -143,6 +143,16 @@ def _read_marker(path: Path, spec: EnvSpec) -> CandidateEnv | None:
         return None
     if not isinstance(info, dict) or not (path / "bin" / "python").exists():
         return None
+    # The marker says which spec it was built for: an environment copied or moved under another
+    # spec's directory (its own content record intact) is not that spec's environment.
+    for field, want in (("package", spec.package), ("key", spec.key())):
+        if info.get(field) != want:
+            from regress.errors import CandidateEnvError
+
+            raise CandidateEnvError(
+                f"the environment at {path} was built for {field} {str(info.get(field))[:80]!r}, not "
+                f"{want!r} ('{spec.describe()}'): it was copied or moved there. regress runs no code from it; "
+                f"delete {path} (the next use rebuilds it)")
     return CandidateEnv(path, spec, info)
 
 

@@ -12,7 +12,11 @@ Backends (``backend=``, or the ``REGRESS_SEMANTIC_BACKEND`` environment variable
   file is built at first use and cached in ``$REGRESS_HOME/models/semantic-onnx/<key>/``, the
   key a hash of the source model files and of :data:`ONNX_RECIPE`; the cache may be shared, so
   the file's sha256 is checked against its record before every load (the verified bytes are
-  what is loaded) and a file that fails is rebuilt. Nothing is downloaded. Supported: local
+  what is loaded) and a file that fails is rebuilt (as is one that is a symbolic link). What the
+  record protects against: damage, a truncated or stale export, another model's or recipe's file.
+  What it cannot: whoever can write the cache can replace model.onnx *and* its record.json together
+  (the record holds a plain sha256, there is no key outside the cache to sign it with), and that
+  file is loaded. The cache is as trusted as the code that reads it (docs/security.md). Nothing is downloaded. Supported: local
   sentence-transformers directories of a BERT model with mean pooling (the bundled model).
 - ``torch``: sentence-transformers, on the first GPU when torch sees one.
 - ``auto``: torch on a GPU; else OpenVINO for a supported model; else torch, with a one-line
@@ -102,9 +106,24 @@ def load_encoder(model: str | None, device: str | None = None) -> Any:
     return SentenceTransformer(path, device=device or ("cuda" if cuda_available() else "cpu"))
 
 
+NORM_TOLERANCE = 0.02
+"""How far from 1 a cached embedding's L2 norm may be: every encoder here L2-normalises (bfloat16
+moves a norm by ~1e-3); a vector outside is not one the encoder made."""
+
+
 class EmbeddingCache:
     """Embeddings by (model, precision, backend, text), kept in SQLite so that a golden's texts
-    are embedded once for every candidate and a re-score (a threshold changed) embeds nothing."""
+    are embedded once for every candidate and a re-score (a threshold changed) embeds nothing.
+
+    The cache may be shared ($REGRESS_HOME/cache), so what it answers is checked, not trusted
+    (:meth:`check`): a blob that is not whole float32s, a vector of another dimension than the
+    key's (recorded with the first vectors this process computed, table ``emb_dim``; else the
+    dimension most cached vectors of this read share), non-finite, or not unit-norm within
+    :data:`NORM_TOLERANCE` (or all zero) is a miss: recomputed (and replaced), with one warning. Limit: rows are
+    keyed by sha256(text) under the model key, with no secret, so a writer of the cache can still
+    store a *unit-norm* vector of its choice for any text (two unrelated texts forged equal score
+    1.0). Only a key outside the cache could bind a vector to its text; the cache must be as
+    trusted as the scores it feeds (docs/security.md)."""
 
     def __init__(self, path: Path, key: str):
         import sqlite3
@@ -112,14 +131,42 @@ class EmbeddingCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), timeout=60)
         self._db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT, text_sha TEXT, vec BLOB, PRIMARY KEY (key, text_sha))")
+        self._db.execute("CREATE TABLE IF NOT EXISTS emb_dim (key TEXT PRIMARY KEY, dim INTEGER)")
         self.key = key
+        self.path = path
+        self.dim: int | None = None
+        """The dimension this key's vectors have, once this process computed some (put_many)."""
 
     @staticmethod
     def _sha(text: str) -> str:
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
+    @staticmethod
+    def check(blob: Any, dim: int | None) -> str | None:
+        """Why ``blob`` is not an embedding of dimension ``dim`` (None: any) this cache could hold; None: it is."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            return f"a {type(blob).__name__}, not bytes"
+        if len(blob) == 0 or len(blob) % 4:
+            return f"{len(blob)} bytes, not whole float32s"
+        vec = np.frombuffer(bytes(blob), dtype=np.float32)
+        if dim is not None and vec.size != dim:
+            return f"{vec.size} dimensions, not {dim}"
+        if not np.all(np.isfinite(vec)):
+            return "non-finite values"
+        norm = float(np.linalg.norm(vec.astype(np.float64)))
+        if norm != 0.0 and abs(norm - 1.0) > NORM_TOLERANCE:  # 0: an encoder's answer for a text of no known token
+            return f"L2 norm {norm:.4g}, not 1 (the encoder normalises)"
+        return None
+
+    def _recorded_dim(self) -> int | None:
+        if self.dim is not None:
+            return self.dim
+        row = self._db.execute("SELECT dim FROM emb_dim WHERE key = ?", [self.key]).fetchone()
+        return row[0] if row and isinstance(row[0], int) and not isinstance(row[0], bool) and row[0] > 0 else None
+
     def get_many(self, texts: list[str]) -> dict[str, np.ndarray]:
-        found: dict[str, np.ndarray] = {}
+        """The cached vectors of ``texts`` that pass :meth:`check`; the rest are misses."""
+        blobs: dict[str, Any] = {}
         by_sha = {self._sha(t): t for t in texts}
         shas = list(by_sha)
         for i in range(0, len(shas), 500):
@@ -129,15 +176,30 @@ class EmbeddingCache:
                 [self.key, *chunk],
             )
             for sha, blob in rows:
-                found[by_sha[sha]] = np.frombuffer(blob, dtype=np.float32)
+                blobs[by_sha[sha]] = blob
+        dim = self._recorded_dim()
+        if dim is None:  # nothing recorded: the dimension most of these vectors share
+            sizes = [len(b) // 4 for b in blobs.values() if isinstance(b, (bytes, bytearray)) and len(b) % 4 == 0]
+            dim = max(set(sizes), key=sizes.count) if sizes else None
+        found: dict[str, np.ndarray] = {}
+        bad: list[str] = []
+        for text, blob in blobs.items():
+            why = self.check(blob, dim)
+            if why is None:
+                found[text] = np.frombuffer(bytes(blob), dtype=np.float32)
+            else:
+                bad.append(why)
+        if bad:
+            _note(f"embedding cache {self.path}: {len(bad)} cached vector(s) refused ({bad[0]}); recomputing them")
         return found
 
     def put_many(self, items: dict[str, np.ndarray]) -> None:
+        rows = [(self.key, self._sha(t), np.asarray(v, np.float32).tobytes()) for t, v in items.items()]
         with self._db:
-            self._db.executemany(
-                "INSERT OR REPLACE INTO emb VALUES (?, ?, ?)",
-                [(self.key, self._sha(t), np.asarray(v, np.float32).tobytes()) for t, v in items.items()],
-            )
+            self._db.executemany("INSERT OR REPLACE INTO emb VALUES (?, ?, ?)", rows)
+            if items:
+                self.dim = int(np.asarray(next(iter(items.values()))).size)
+                self._db.execute("INSERT OR REPLACE INTO emb_dim VALUES (?, ?)", [self.key, self.dim])
 
 
 def _cpu_has_amx() -> bool:
@@ -268,6 +330,8 @@ def _verified_bytes(folder: Path, source: str) -> bytes | None:
         record = json.loads((folder / "record.json").read_text(encoding="utf-8"))
         if record.get("recipe") != ONNX_RECIPE or record.get("source_sha256") != source:
             return None
+        if (folder / "model.onnx").is_symlink() or (folder / "record.json").is_symlink():
+            return None  # the cache's own file, not one elsewhere
         data = (folder / "model.onnx").read_bytes()
     except (OSError, ValueError, AttributeError):
         return None

@@ -120,6 +120,14 @@ def semantic(
                     return embed(texts)
             new = dict(zip(todo, state["encode"](todo)))
             known.update(new)
+            dim = next(iter(new.values())).size if new else None
+            # A cached vector of another dimension than the encoder's is not this encoder's: recomputed.
+            stale = sorted({t for t in texts if dim is not None and known[t].size != dim})
+            if stale:
+                _note(f"{len(stale)} cached embedding(s) of another dimension than the encoder's ({dim}); recomputing them")
+                fixed = dict(zip(stale, state["encode"](stale)))
+                known.update(fixed)
+                new.update(fixed)
             if state["disk"] is not None:
                 state["disk"].put_many(new)
         return known

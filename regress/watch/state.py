@@ -28,7 +28,9 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
+import re
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -38,7 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from regress.errors import StorageError, WatchStateError
 from regress.storage import atomic_write_text, read_record
@@ -52,6 +55,13 @@ FINISHED: frozenset[str] = frozenset({"pass", "fail", "dispatched"})
 """Statuses after which the watcher's part is done (and a history line is written)."""
 IN_FLIGHT: frozenset[str] = frozenset({"claimed", "queued"})
 """Statuses of a check that was started but has no verdict yet."""
+FUTURE_SLACK_S = 24 * 3600.0
+"""How far ahead of this machine's clock a record's time may be (clock skew between watchers);
+a time further ahead, or not a finite number, cannot be a real one: such a claim is stale."""
+_PACKAGE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+"""A normalized (PEP 503) package name: what the watcher stores, nothing a requirement could carry."""
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+!_-]{0,99}")
+"""The characters of a PEP 440 version as an index spells it: no space, marker, URL or operator."""
 
 
 class VersionRecord(BaseModel):
@@ -84,9 +94,32 @@ class VersionRecord(BaseModel):
     owner: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     """Which process recorded it (host:pid)."""
 
+    @field_validator("package")
+    @classmethod
+    def _normalized_package(cls, v: str) -> str:
+        if not _PACKAGE.fullmatch(v):
+            raise ValueError(f"package {v[:80]!r} is not a normalized package name")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _release_version(cls, v: str) -> str:
+        # The version becomes a requirement (`pkg==<version>`): a marker, URL or operator in it
+        # would change what is installed, so only a PEP 440 version's own characters pass.
+        try:
+            if not _VERSION.fullmatch(v):
+                raise InvalidVersion(v)
+            Version(v)
+        except InvalidVersion:
+            raise ValueError(f"version {v[:80]!r} is not a release version (PEP 440)") from None
+        return v
+
     @property
     def iso_time(self) -> str:
-        return datetime.fromtimestamp(self.time, timezone.utc).isoformat(timespec="seconds")
+        try:
+            return datetime.fromtimestamp(self.time, timezone.utc).isoformat(timespec="seconds")
+        except (OverflowError, OSError, ValueError):
+            return f"(not a time: {self.time!r})"
 
 
 class _PackageState(BaseModel):
@@ -98,6 +131,17 @@ class _PackageState(BaseModel):
     """Every version the watcher has seen, claimed or checked."""
 
 
+def check_keys(package: str, versions: dict[str, VersionRecord]) -> str | None:
+    """Why the records stored under ``package`` do not agree with their keys (None: they do):
+    a record's own package and version are what the watcher checks, so they must be its keys."""
+    for key, record in versions.items():
+        if record.package != package:
+            return f"the record of {package} {key} names package {record.package!r}"
+        if record.version != key:
+            return f"the record of {package} {key} names version {record.version!r}"
+    return None
+
+
 class _StateFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -105,6 +149,19 @@ class _StateFile(BaseModel):
     """Stored format version."""
     packages: dict[str, _PackageState] = Field(default_factory=dict)
     """Per normalized package name."""
+
+    @model_validator(mode="after")
+    def _records_agree_with_keys(self) -> "_StateFile":
+        for package, entry in self.packages.items():
+            why = check_keys(package, entry.versions)
+            if why:
+                raise ValueError(f"{why}: records must agree with their keys")
+        return self
+
+
+def stale_time(t: float, now: float) -> bool:
+    """A record time that cannot be real: not finite, or further ahead than :data:`FUTURE_SLACK_S`."""
+    return not math.isfinite(t) or t > now + FUTURE_SLACK_S
 
 
 def claimable(existing: VersionRecord | None, now: float, stale_after_s: float) -> bool:
@@ -114,6 +171,8 @@ def claimable(existing: VersionRecord | None, now: float, stale_after_s: float) 
     verdict is recorded once (:meth:`WatchState.transition` lets one outcome in)."""
     if existing is None:
         return True
+    if existing.status in IN_FLIGHT and stale_time(existing.time, now):
+        return True  # a NaN, infinite or far-future claim would never age: stale (the watcher says so)
     return existing.status in IN_FLIGHT and now - existing.time > stale_after_s
 
 
@@ -202,7 +261,7 @@ class FileState(WatchState):
     @contextmanager
     def _locked(self) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._lock_path, "a") as lock:
+        with _open_no_follow(self._lock_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -263,7 +322,7 @@ class FileState(WatchState):
 
     def append_history(self, record: VersionRecord) -> None:
         with self._locked():
-            with open(self.history_path, "a+b") as out:
+            with _open_no_follow(self.history_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, "a+b") as out:
                 # A writer that died mid-line left a torn tail: end it first, so this record
                 # starts a line of its own instead of being glued to the fragment.
                 out.seek(0, os.SEEK_END)
@@ -282,7 +341,8 @@ class FileState(WatchState):
         with self._locked():  # never half a line that is being appended
             try:
                 # Lines end in "\n" only: splitlines() would also cut at U+2028 inside a record.
-                lines = self.history_path.read_bytes().decode("utf-8", "replace").split("\n")
+                with _open_no_follow(self.history_path, os.O_RDONLY, "rb") as fh:
+                    lines = fh.read().decode("utf-8", "replace").split("\n")
             except OSError as exc:
                 raise StorageError(f"{self.history_path}: cannot read the watch history ({exc})") from exc
         records = []
@@ -301,6 +361,19 @@ class FileState(WatchState):
             except ValidationError as exc:
                 raise StorageError(f"{self.history_path}:{number}: not a history line") from exc
         return records
+
+
+def _open_no_follow(path: Path, flags: int, mode: str) -> Any:
+    """``path`` opened without following a symlink at its last component: the state directory
+    may be shared, and a link there must not make the watcher write (or read) a file elsewhere."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise StorageError(f"{path}: is a symbolic link; the watcher writes only its own files "
+                               "(remove the link)") from exc
+        raise StorageError(f"{path}: cannot open it ({exc})") from exc
+    return os.fdopen(fd, mode)
 
 
 def _ends_with_newline(fh: Any) -> bool:
@@ -403,7 +476,12 @@ class RedisState(WatchState):
         if not watched:
             return None
         key = self._versions_key(package)
-        return {_text(k): self._parse(f"{key} field {_text(k)!r}", v) for k, v in raw.items()}
+        versions = {_text(k): self._parse(f"{key} field {_text(k)!r}", v) for k, v in raw.items()}
+        why = check_keys(package, versions)
+        if why:
+            raise WatchStateError(f"the watch state at {self._shown} holds a record in {key} that does not agree "
+                                  f"with its key: {why}; fix or delete that record (the state is left as it is)")
+        return versions
 
     def initialise(self, package: str, seen: list[str]) -> bool:
         key = self._versions_key(package)

@@ -35,7 +35,7 @@ from regress.watch.config import WatchConfig
 from regress.watch.http import DEFAULT_DEADLINE_S
 from regress.watch.index import IndexClient, PackageIndexError, Release, configured_index
 from regress.watch.notify import Notifier
-from regress.watch.state import FINISHED, VersionRecord, WatchState, claimable, open_state
+from regress.watch.state import FINISHED, VersionRecord, WatchState, claimable, open_state, stale_time
 from regress.watch.triggers import CheckRequest, Trigger, make_trigger
 
 
@@ -190,6 +190,10 @@ class Watcher:
             for release in eligible:
                 existing = _lookup(known, release)
                 if claimable(existing, now, self.settings.claim_timeout_s):
+                    if existing is not None and stale_time(existing.time, now):
+                        result.notes.append(f"{package} {existing.version}: its {existing.status} record's time "
+                                            f"{existing.time!r} cannot be real (not finite, or far in the future): "
+                                            "treated as stale, checked again")
                     # The state's spelling of an equal version stays the key: one entry per release.
                     new.append(dataclasses.replace(release, version=existing.version) if existing else release)
             for release in new:
