@@ -149,7 +149,7 @@ def tiny_env(tiny_venv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     """The tiny environment in its own REGRESS_HOME, with its digest recorded."""
     monkeypatch.setenv("REGRESS_HOME", str(tmp_path))
     _legacy_env(tmp_path, tiny_venv)
-    env, created = ensure_env(TINY)
+    env, created = ensure_env(TINY, adopt=True)  # as `regress env create` adopts it
     assert not created
     return env
 
