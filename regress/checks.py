@@ -209,9 +209,11 @@ def score_candidate(
     diagnosis: "Diagnosis | None" = None,
     source: str = "score",
     release: tuple[str, str] | None = None,
+    whole: bool = True,
 ) -> ScoredCandidate:
     """Score a replayed candidate; write scores.json and metrics.json, and (unless told not to)
-    its report. The baseline's measured noise (``golden/noise.json``, when there is one for this
+    its report. ``whole``: the run must hold the golden's whole prompt set (False: a caller that
+    replayed part of it on purpose, as a try does). The baseline's measured noise (``golden/noise.json``, when there is one for this
     golden) is applied (:mod:`regress.noise.floor`). ``out`` writes scores and report there instead of scores/ and reports/.
     The report shows the candidate's diagnosis (``diagnosis``, else its ``diagnosis.json`` when it
     is of this run).
@@ -220,7 +222,7 @@ def score_candidate(
     :func:`regress.trend.record_check`) with ``source`` (``check``, ``score``, ``watch``,
     ``bisect``) and the ``release`` checked, (package, version); None: inferred from how the
     candidate differs from the golden's baseline (:func:`regress.trend.release_of`)."""
-    scoring = _score(params, spec, golden_dir=golden_dir, run_dir=run_dir, out=out)
+    scoring = _score(params, spec, golden_dir=golden_dir, run_dir=run_dir, out=out, whole=whole)
     if not with_report:
         _write_scores(params, spec, scoring, recorded=out is None, source=source, release=release)
         return ScoredCandidate(scoring.report, scoring.scores_dir, None)
@@ -366,10 +368,11 @@ def diagnose_candidate(
     max_prompts: int = 10,
     force: bool = False,
     engines: "WarmEngines | None" = None,
+    whole: bool = True,
 ) -> "Diagnosis":
     """Diagnose a scored candidate (:func:`regress.diagnosis.run.diagnose`): its drifted prompts
     under probes into diagnosis/<name>/, ``diagnosis.json`` beside its scores, and its report
-    written again with the "Why" column."""
+    written again with the "Why" column. ``whole``: as :func:`score_candidate`'s."""
     from regress.datasets import load_prompt_set
     from regress.diagnosis.run import diagnose
     from regress.errors import ConfigError
@@ -385,5 +388,5 @@ def diagnose_candidate(
     result = diagnose(spec, baseline, load_prompt_set(params.dataset), golden, load_run(params.run_dir(spec.name)),
                       read_scored_run(scores_dir), diagnosis_dir(params, spec.name), scores_dir,
                       probes=probes, max_prompts=max_prompts, progress=progress, force=force, engines=engines)
-    score_candidate(params, spec, golden_dir=golden_dir, diagnosis=result)
+    score_candidate(params, spec, golden_dir=golden_dir, diagnosis=result, whole=whole)
     return result

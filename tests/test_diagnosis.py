@@ -256,9 +256,9 @@ def _diagnosed(lab: Lab, name: str, probes: list[str] | None, *, shard_size: int
     prompt_set = load_prompt_set(p.dataset)
     replay(spec, subset(prompt_set, only) if only else prompt_set, p.run_dir(name), golden=load_run(p.golden_dir()), shard_size=shard_size,
            executor=LocalExecutor.on(lab.engines))  # type: ignore[attr-defined]
-    scored = score_candidate(p, spec)
+    scored = score_candidate(p, spec, whole=only is None)  # a replay of part of the set, on purpose
     assert scored.report.metrics.regression + scored.report.metrics.drift + scored.report.metrics.input_drift, name
-    return diagnose_candidate(p, spec, probes=probes, engines=lab.engines)  # type: ignore[arg-type]
+    return diagnose_candidate(p, spec, probes=probes, engines=lab.engines, whole=only is None)  # type: ignore[arg-type]
 
 
 def _checked_and_diagnosed(lab: Lab, workspace: Path, name: str, probes: list[str]):  # type: ignore[no-untyped-def]
