@@ -37,6 +37,11 @@ def _escaped(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group()):04x}"
 
 
+def control_characters(text: str, keep: str = "\t\n") -> set[str]:
+    """The distinct characters of ``text`` that :func:`without_controls` would escape."""
+    return set(_CONTROL.findall(text)) - set(keep)
+
+
 def without_controls(text: str, keep: str = "\t\n") -> str:
     """``text`` with every control character but those in ``keep`` shown as ``\\uNNNN``."""
     if not text:

@@ -24,7 +24,7 @@ from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import build_payload, cause_mitigation, causes_by_count, diagnosis_of
 from regress.runs import RunResult
-from regress.untrusted import without_controls
+from regress.untrusted import control_characters, without_controls
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
@@ -45,7 +45,10 @@ def shown(value: Any) -> Any:
     the data block (``tojson``) they are JSON's own escapes, so the script reads the text as it was
     and shows it the same way (report.js's ``escapeControls``)."""
     if isinstance(value, Markup):
-        return Markup(without_controls(str(value)))
+        # Markup's own replace (it escapes its arguments), never a new Markup around edited text.
+        for char in control_characters(value):
+            value = value.replace(char, f"\\u{ord(char):04x}")
+        return value
     if isinstance(value, str):
         return without_controls(value)
     return value
