@@ -13,12 +13,14 @@ place, environments cached). For each candidate, one after the other, nothing el
    samples that differ, scoring, report), and the run's own phase times from its manifest.
 3. **quick**: `regress check NAME --quick`, with the baseline's prefill reference already made
    (the first quick check of a golden makes it: timed once, apart), wall time.
+4. **sampled quick** (with ``--quick-prompts N``): `regress check NAME --quick --quick-prompts N`,
+   the screening sample of N prompts, its own reference made first likewise (timed apart).
 
 Ratios: full / bare (targets: at most 1.15x when at least 90 % of outputs are identical to the
 golden, 1.5x when they diverge), teacher forcing / the diverged prompts' share of generation
 (target 0.5x), quick / full (target 0.4x). Speed is measured here, never asserted in tests.
 
-Usage: python benchmarks/check_cost.py [--project DIR] [--candidates next,fp8-kv]
+Usage: python benchmarks/check_cost.py [--project DIR] [--candidates next,fp8-kv] [--quick-prompts 128]
 Writes benchmarks/results/check_cost.json.
 """
 
@@ -98,7 +100,20 @@ def _phases(project: Path, where: str) -> dict:
         "prefilled": len(manifest.get("teacher_force_prefilled") or [])}
 
 
-def measure(project: Path, name: str) -> dict:
+def _sampled_quick(project: Path, name: str, size: int, full_s: float) -> dict:
+    first = None
+    if not (project / f"quick/.baseline/sample-{size}/run/manifest.json").is_file():
+        first, _ = _regress(project, "check", name, "--quick", "--quick-prompts", str(size))
+    wall, done = _regress(project, "check", name, "--quick", "--quick-prompts", str(size), "--force")
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"regress check {name} --quick --quick-prompts {size} could not run:\n{done.stderr[-3000:]}")
+    metrics = json.loads((project / "quick" / name / "scores/metrics.json").read_text())
+    return {"prompts": size, "wall_s": round(wall, 2), "over_full": round(wall / full_s, 3),
+            "verdict": metrics["verdict"], "phases": _phases(project, f"quick/{name}/run"),
+            "first_wall_s": round(first, 2) if first is not None else None}
+
+
+def measure(project: Path, name: str, sample: int | None = None) -> dict:
     bare = _bare(project, name)
     full_s, done = _regress(project, "check", name, "--force")
     if done.returncode not in (0, 1):
@@ -123,6 +138,7 @@ def measure(project: Path, name: str) -> dict:
         "quick_wall_s": round(quick_s, 2), "quick_phases": _phases(project, f"quick/{name}/run"),
         "quick_over_full": round(quick_s / full_s, 3), "quick_verdict": quick_metrics["verdict"],
         "first_quick_wall_s": round(first_quick, 2) if first_quick is not None else None,
+        "sampled_quick": _sampled_quick(project, name, sample, full_s) if sample else None,
     }
 
 
@@ -130,10 +146,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--project", type=Path, default=REPO)
     parser.add_argument("--candidates", default="next,fp8-kv")
+    parser.add_argument("--quick-prompts", type=int, default=None, help="Also time a quick check of this sample size.")
     args = parser.parse_args()
     rows = []
     for name in args.candidates.split(","):
-        row = measure(args.project.resolve(), name)
+        row = measure(args.project.resolve(), name, args.quick_prompts)
         rows.append(row)
         print(json.dumps(row), flush=True)
     load = os.getloadavg()[0]

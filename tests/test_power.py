@@ -180,6 +180,36 @@ def test_a_quick_check_prefills_only_and_fails_the_damage_the_full_check_fails(p
     assert same["identical"] == PROMPTS and same["verdict"] == "pass", same
 
 
+def test_a_quick_check_of_a_sample_prefills_the_sample_against_the_baselines_prefill_of_it(power_project) -> None:
+    """--quick-prompts 8: the candidate and the baseline's reference (made for the sample, beside the
+    whole set's, which stays) prefill the same 8 prompts; the verdict says what was left out. The
+    damage sits on 2 trigger prompts: the sample fails it exactly when it holds one of them."""
+    from regress.datasets import load_prompt_set
+    from regress.quick_sample import quick_sample
+    from regress.runs import load_run
+
+    root, _ = power_project
+    run_cli("check", "same", "--quick", cwd=root)  # the whole set's reference, made before the sample's
+    whole_ref = json.loads((root / "quick/.baseline/run/manifest.json").read_text())["run_id"]
+    expected = quick_sample(load_prompt_set(root / "datasets/prompts/power.jsonl"), load_run(root / "golden"), 8)
+    chosen = [p.id for p in expected.prompts.prompts]
+    result = run_cli("check", "damaged", "--quick", "--quick-prompts", "8", cwd=root)
+    triggered = {f"p-{i:02d}" for i in TRIGGERED} & set(chosen)
+    assert result.returncode == (1 if triggered else 0), result.stdout + result.stderr
+    assert "8 prompt(s) of 24 (a stratified sample" in result.stdout, result.stdout
+    assert load_run(root / "quick/damaged/run").prompt_ids == chosen
+    assert load_run(root / "quick/.baseline/sample-8/run").prompt_ids == chosen
+    metrics = json.loads((root / "quick/damaged/scores/metrics.json").read_text())
+    assert metrics["prompts"] == 8 and set(metrics["severe_regression_ids"]) == triggered, metrics
+    assert "a stratified sample of 8 of the 24" in metrics["verdict_basis"] and "16 left out" in metrics["verdict_basis"]
+    assert "quick/.baseline/sample-8/run/noise.json" in metrics["verdict_basis"]
+    # The whole set's reference was not redone for the sample, nor the sample's for the whole set.
+    again = run_cli("check", "same", "--quick", cwd=root)
+    assert again.returncode == 0 and "quick/.baseline/run is up to date" in again.stderr + again.stdout
+    assert json.loads((root / "quick/.baseline/run/manifest.json").read_text())["run_id"] == whole_ref
+    assert json.loads((root / "quick/same/scores/metrics.json").read_text())["prompts"] == PROMPTS
+
+
 def test_a_quick_check_refuses_what_it_cannot_do(power_project) -> None:
     root, _ = power_project
     result = run_cli("check", "baseline", "--quick", cwd=root)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
+from regress.cli_options import QuickPromptsOption
 from regress.cli_output import out
 from regress.errors import EXIT_OK, EXIT_REGRESSION, ConfigError
 from regress.power.ladder import DEFAULT_STEPS
@@ -40,6 +42,7 @@ def power(
                                  "stage: the figure says so in every report)."),
     quick: bool = typer.Option(False, "--quick", help="The ladder of the quick check (`regress check --quick`): every "
                                "step only prefills the golden's completions; written to power/quick/power.json."),
+    quick_prompts: Optional[int] = QuickPromptsOption,
 ) -> None:
     """Measure how small a change the gate fails: weight noise planted in the baseline's own model.
 
@@ -60,6 +63,8 @@ def power(
 
     p = load_params(params)
     ladder = _steps(steps)
+    if quick_prompts is not None and not quick:
+        raise ConfigError("--quick-prompts sets the sample of the quick ladder: add --quick", field="--quick-prompts")
     with writing_project(p):
         golden = load_run(p.golden_dir())
         spec = p.golden_baseline(golden.manifest) or p.baseline
@@ -75,8 +80,14 @@ def power(
             reference = None
             if quick:
                 from regress.quick import baseline_reference
+                from regress.quick_sample import quick_sample
 
-                reference, noise = baseline_reference(p, spec, prompt_set, golden, thresholds, None, sink, False)
+                # The sample a quick check of the same size prefills: its ladder is that check's power.
+                sample = quick_sample(prompt_set, golden, p.quick.prompts if quick_prompts is None else quick_prompts)
+                prompt_set = sample.prompts
+                if not sample.whole:
+                    sink.status(f"the quick ladder prefills {sample.describe()}")
+                reference, noise = baseline_reference(p, spec, sample, golden, thresholds, None, sink, False)
             result = run_ladder(spec, prompt_set, golden, where, thresholds=thresholds, metrics=metrics,
                                 noise=noise, expected=expected_answers(prompt_set), steps=ladder, seed=seed,
                                 progress=sink, force=force, keep_models=keep_models, reference=reference)
