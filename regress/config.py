@@ -43,8 +43,8 @@ from regress.backends import check_backend_name
 from regress.deadlines import DeadlineSettings
 from regress.errors import ConfigError, ConfigProblems, InputError, UnknownPluginError
 from regress.diagnosis.settings import DiagnoseSettings
-from regress.quick_sample import QuickSettings
 from regress.noise.settings import NoiseSettings
+from regress.quick_sample import QuickSettings
 from regress.records import CandidateSpec
 from regress.validation import (all_errors, line_for, load_yaml, utf8_error_line, value_problems,
                                 yaml_error_field, yaml_error_line, yaml_key_lines)
@@ -148,9 +148,9 @@ class Params:
     diagnose: DiagnoseSettings | None = None
     """The ``diagnose:`` section (None: ``regress check`` does not diagnose)."""
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
+    """The ``deadlines:`` section: each phase's limit (regress.deadlines)."""
     quick: QuickSettings = field(default_factory=QuickSettings)
     """The ``quick:`` section (how many prompts a quick check prefills)."""
-    """The ``deadlines:`` section: each phase's limit (regress.deadlines)."""
     key_lines: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Dotted key -> line in the file, for messages about values checked after loading."""
 

@@ -204,7 +204,7 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
     if executor is None:
         params.check_model_paths(baseline)
     t = Thresholds.from_params(params.thresholds, file=str(params.path))
-    sample = quick_sample(prompt_set, golden, params.quick.prompts if prompts is None else prompts)
+    sample = quick_sample(prompt_set, golden, params.quick.size(prompts))
     whole_set, prompt_set = prompt_set, sample.prompts
     # --force reruns the candidate's prefill; the baseline's is redone only when its plan changed.
     reference, floor = baseline_reference(params, baseline, sample, golden, t, executor, progress, False)

@@ -23,6 +23,7 @@ prefills them all; the sample's size and what it left out are written into its v
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,6 +45,10 @@ class QuickSettings(BaseModel):
     prompts: int = Field(0, ge=0, le=MAX_SAMPLE)
     """How many prompts a quick check prefills: 0 (the default) every prompt run once; N a
     stratified sample of N (see :mod:`regress.quick_sample`). ``--quick-prompts`` overrides it."""
+
+    def size(self, override: int | None) -> int:
+        """The sample size in force: ``--quick-prompts`` when given, else this section's."""
+        return self.prompts if override is None else override
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,6 @@ def choose(lengths: dict[str, int], tags: dict[str, list[str]], size: int) -> se
 def quick_sample(prompt_set: "PromptSet", golden: "RunResult", size: int) -> QuickSample:
     """The prompts of ``prompt_set`` a quick check of ``size`` prefills (0: every one the golden ran
     once), lengths taken from the golden (prompt tokens + its completion)."""
-    import dataclasses
-
     eligible = [p for p in prompt_set.prompts if p.id in golden]
     lengths = {}
     for p in eligible:

@@ -32,9 +32,14 @@ _COMMAND = re.compile(r"^([^\S\n]*)::", re.MULTILINE)
 _OLD_COMMAND = re.compile(r"##\[")
 
 
+def escaped_character(char: str) -> str:
+    """How a control character is shown: ``\\uNNNN``, JSON's spelling, not Python's \\xNN (printed
+    JSON stays JSON, and decodes to the original)."""
+    return f"\\u{ord(char):04x}"
+
+
 def _escaped(match: re.Match[str]) -> str:
-    # JSON's spelling, not Python's \xNN: printed JSON stays JSON (and decodes to the original).
-    return f"\\u{ord(match.group()):04x}"
+    return escaped_character(match.group())
 
 
 def control_characters(text: str, keep: str = "\t\n") -> set[str]:

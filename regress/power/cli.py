@@ -83,7 +83,7 @@ def power(
                 from regress.quick_sample import quick_sample
 
                 # The sample a quick check of the same size prefills: its ladder is that check's power.
-                sample = quick_sample(prompt_set, golden, p.quick.prompts if quick_prompts is None else quick_prompts)
+                sample = quick_sample(prompt_set, golden, p.quick.size(quick_prompts))
                 prompt_set = sample.prompts
                 if not sample.whole:
                     sink.status(f"the quick ladder prefills {sample.describe()}")

@@ -24,7 +24,7 @@ from regress.report import overview
 from regress.report.configdiff import config_diff
 from regress.report.payload import build_payload, cause_mitigation, causes_by_count, diagnosis_of
 from regress.runs import RunResult
-from regress.untrusted import control_characters, without_controls
+from regress.untrusted import control_characters, escaped_character, without_controls
 
 if TYPE_CHECKING:
     from regress.diagnosis.record import Diagnosis
@@ -47,7 +47,7 @@ def shown(value: Any) -> Any:
     if isinstance(value, Markup):
         # Markup's own replace (it escapes its arguments), never a new Markup around edited text.
         for char in control_characters(value):
-            value = value.replace(char, f"\\u{ord(char):04x}")
+            value = value.replace(char, escaped_character(char))
         return value
     if isinstance(value, str):
         return without_controls(value)
