@@ -208,6 +208,21 @@ def test_a_quick_check_of_a_sample_prefills_the_sample_against_the_baselines_pre
     assert again.returncode == 0 and "quick/.baseline/run is up to date" in again.stderr + again.stdout
     assert json.loads((root / "quick/.baseline/run/manifest.json").read_text())["run_id"] == whole_ref
     assert json.loads((root / "quick/same/scores/metrics.json").read_text())["prompts"] == PROMPTS
+    # The sample's ladder (one step) has its own power.json, and each step's verdict names the
+    # sample; the whole set's quick ladder is left as it was. (8 prompts are too few for the
+    # run-level test to conclude at p < 0.01 after Holm's correction: the figure says what such
+    # a sample can see.)
+    whole_ladder = root / "power/quick/power.json"
+    before = whole_ladder.read_bytes() if whole_ladder.is_file() else None
+    ladder = run_cli("power", "--quick", "--quick-prompts", "8", "--steps", "10", cwd=root)
+    assert ladder.returncode == 0, ladder.stdout + ladder.stderr
+    assert "written: " in ladder.stdout and "power/quick/sample-8/power.json" in ladder.stdout, ladder.stdout
+    power = json.loads((root / "power/quick/sample-8/power.json").read_text())
+    assert power["prompts"] == 8 and power["summary"].startswith("with these 8 prompts"), power
+    step = json.loads((root / "power/quick/sample-8" / power["steps"][0]["key"] / "scores/metrics.json").read_text())
+    assert "a stratified sample of 8 of the 24" in step["verdict_basis"], step["verdict_basis"]
+    assert step["prompts"] == 8 and step["verdict"] == power["steps"][0]["verdict"]
+    assert (whole_ladder.read_bytes() if whole_ladder.is_file() else None) == before
 
 
 def test_a_quick_check_refuses_what_it_cannot_do(power_project) -> None:

@@ -41,7 +41,8 @@ def power(
     no_fail: bool = typer.Option(False, "--no-fail", help="Exit 0 even when the gate is inconsistent (a pipeline "
                                  "stage: the figure says so in every report)."),
     quick: bool = typer.Option(False, "--quick", help="The ladder of the quick check (`regress check --quick`): every "
-                               "step only prefills the golden's completions; written to power/quick/power.json."),
+                               "step only prefills the golden's completions; written to power/quick/power.json "
+                               "(power/quick/sample-N/power.json with --quick-prompts N)."),
     quick_prompts: Optional[int] = QuickPromptsOption,
 ) -> None:
     """Measure how small a change the gate fails: weight noise planted in the baseline's own model.
@@ -75,7 +76,7 @@ def power(
             noise = noise.model_copy(update={"k": p.noise.k})  # as scoring applies it
         prompt_set = load_prompt_set(p.dataset)
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
-        where = p.power_dir() / "quick" if quick else p.power_dir()
+        where, sample = p.power_dir(), None
         with RichProgress(f"detection power of the {'quick check' if quick else 'gate'} on '{spec.name}'") as sink:
             reference = None
             if quick:
@@ -85,12 +86,15 @@ def power(
                 # The sample a quick check of the same size prefills: its ladder is that check's power.
                 sample = quick_sample(prompt_set, golden, p.quick.size(quick_prompts))
                 prompt_set = sample.prompts
+                # Each sample size has its own ladder: a sampled one never overwrites the whole set's.
+                where = where / "quick" / ("" if sample.whole else f"sample-{sample.chosen}")
                 if not sample.whole:
                     sink.status(f"the quick ladder prefills {sample.describe()}")
                 reference, noise = baseline_reference(p, spec, sample, golden, thresholds, None, sink, False)
             result = run_ladder(spec, prompt_set, golden, where, thresholds=thresholds, metrics=metrics,
                                 noise=noise, expected=expected_answers(prompt_set), steps=ladder, seed=seed,
-                                progress=sink, force=force, keep_models=keep_models, reference=reference)
+                                progress=sink, force=force, keep_models=keep_models, reference=reference,
+                                sample=sample)
     if as_json:
         out(json.dumps(json.loads(result.model_dump_json()), indent=2))
     else:

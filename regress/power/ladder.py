@@ -23,6 +23,7 @@ from regress.power.record import POWER_FILE, ArmStep, DetectionPower, PowerFigur
 if TYPE_CHECKING:
     from regress.datasets import PromptSet
     from regress.noise.floor import NoiseFloor
+    from regress.quick_sample import QuickSample
     from regress.records import CandidateSpec, ScoredRun
     from regress.replay import ProgressSink
     from regress.runs import RunResult
@@ -81,13 +82,15 @@ def run_ladder(
     force: bool = False,
     keep_models: bool = False,
     reference: "RunResult | None" = None,
+    sample: "QuickSample | None" = None,
 ) -> DetectionPower:
     """Check every step of the ladder and every noise arm against the others; write and return
     ``power/power.json``.
 
     ``reference``: the ladder of the quick check (:mod:`regress.quick`): every step only prefills
     the golden's completions and is scored against this baseline prefill, with ``noise`` the
-    prefill-only floor and the arms the prefill-only ones under the reference."""
+    prefill-only floor and the arms the prefill-only ones under the reference. ``sample``: the
+    quick check's screening sample ``prompt_set`` is, named in every step's verdict basis."""
     from regress.model_variants import perturb_linear
     from regress.replay import replay
     from regress.runs import load_run
@@ -102,7 +105,7 @@ def run_ladder(
         from regress.quick import score_quick
 
         def score(run: "RunResult", floor: "NoiseFloor | None") -> "ScoredRun":
-            return score_quick(reference, golden, run, thresholds, noise=floor)
+            return score_quick(reference, golden, run, thresholds, noise=floor, sample=sample)
         arms_root = reference.path
 
     if not steps or any(not 0 < s < 10 for s in steps) or list(steps) != sorted(set(steps)):
