@@ -91,11 +91,17 @@ def test_each_vllm_version_ran_in_its_own_cached_environment(pipeline, candidate
     prefilled = nxt.manifest.teacher_force_prefilled
     assert prefilled is not None and all("#" in entry for entry in prefilled) and len(prefilled) <= 72
     assert nxt.manifest.model.files_sha256 == golden.manifest.model.files_sha256
-    # The next release's logprobs of the golden's tokens are the golden's to within 0.005
-    # nat/token on every entry (measured 0.0047 at most): its own logprobs score its samples and
-    # the baseline's engine is not started again. FP8 KV's differ by up to 0.8: the baseline
-    # scores its samples.
-    assert not (pipeline / "runs" / "next" / "golden-scored").exists()
+    # Whose model scores the samples follows the measured agreement of each candidate's logprobs
+    # of the golden's tokens with the golden's (docs/verdicts.md, "Whose model scores the samples").
+    # The next release's are within the 0.02 nat/token tolerance on hosts without AMX (0.0047 at
+    # most) and beyond it with AMX's bf16 kernels (0.056 on one sample): its own logprobs score its
+    # samples exactly when they agree. FP8 KV's differ by up to 0.8 on every host.
+    from regress.metrics.sample_scorer import logprob_agreement
+
+    agreement = logprob_agreement(nxt, golden)
+    assert agreement.compared == 548 and agreement.mean_abs < 0.01, agreement
+    assert (pipeline / "runs" / "next" / "golden-scored").exists() is not agreement.holds
+    assert not logprob_agreement(load_run(pipeline / "runs" / "fp8-kv"), golden).holds
     assert (pipeline / "runs" / "fp8-kv" / "golden-scored" / "manifest.json").is_file()
     assert nxt.manifest.versions.transformers and golden.manifest.versions.transformers
 
@@ -115,8 +121,11 @@ def test_scores_of_the_demo_candidates(pipeline):
     assert nxt["mean_teacher_forced_kl"] < 0.005
     assert nxt["answer_flips_lost"] <= 2 and nxt["answer_flips_gained"] <= 2 and nxt["quality_verdict"] == "pass"
     assert nxt["answer_prompts"] == 449 and nxt["golden_answers_correct"] >= 120
-    assert nxt["sample_scoring"].startswith("the candidate's own logprobs scored its samples") and \
-        "within 0.02" in nxt["sample_scoring"]
+    if (pipeline / "runs" / "next" / "golden-scored").exists():  # the rule's call, checked against its measure above
+        assert nxt["sample_scoring"] == "the baseline's model scored the candidate's samples (golden-scored/)"
+    else:
+        assert nxt["sample_scoring"].startswith("the candidate's own logprobs scored its samples") and \
+            "within 0.02" in nxt["sample_scoring"]
     fp8 = json.loads((pipeline / "scores/fp8-kv/metrics.json").read_text())
     assert fp8["sample_scoring"] == "the baseline's model scored the candidate's samples (golden-scored/)"
     # The sampled questions count their share of right samples on each side (measured 12 of 449).

@@ -94,7 +94,7 @@ def _sampled_project(tmp_path: Path) -> tuple[Path, object]:
         "dataset: p.jsonl\nshard_size: 4\nbaseline:\n  backend: plugins.fake_backends:EchoBackend\n"
         f"  model: none\n  sampling: {{temperature: 0.8}}\n  env: {json.dumps({'PYTHONPATH': PLUGIN_PATH})}\n"
         "candidates:\n"
-        f"  shifted:\n    env: {json.dumps({'PYTHONPATH': PLUGIN_PATH, 'FAKE_OUTPUT_OFFSET': '1'})}\n"
+        f"  shifted:\n    env: {json.dumps({'PYTHONPATH': PLUGIN_PATH, 'FAKE_OUTPUT_OFFSET': '1', 'FAKE_LOGPROB_SHIFT': '-0.3'})}\n"
         f"  same-outputs:\n    env: {json.dumps({'PYTHONPATH': PLUGIN_PATH, 'FAKE_OUTPUT_OFFSET': '0'})}\n")
     return tmp_path, load_params(tmp_path / "params.yaml")
 

@@ -17,9 +17,10 @@ model are not meant to be equal, so this metric looks at the N samples of each s
   baseline is fed each candidate sample teacher-forced (``<run>/golden-scored/``,
   :func:`regress.replay.plan.plan_golden_scoring`), so both sides' samples are scored by the same
   model and a shift is the sampler's doing or the candidate model's, never a scorer's. That costs a
-  second engine, so it is skipped where it can tell nothing: when the candidate's logprobs of the
-  golden's tokens match the golden's on every entry (:mod:`regress.metrics.sample_scorer`), its
-  own logprobs of its samples are the baseline's and stand in. A replay without those scores
+  second engine, so it is skipped where it can tell nothing: when the candidate's decode logprobs
+  match the golden's on every entry, wherever both had the same context
+  (:mod:`regress.metrics.sample_scorer`), its own logprobs of its samples are the baseline's and
+  stand in. A replay without those scores
   (``--golden-scoring never``, or made by hand without the baseline) falls back to the
   candidate's own logprobs too; ``sample_scored_by`` says which, and the run's
   ``sample_scoring`` why.

@@ -47,9 +47,9 @@ def replay(
     the baseline then scores the candidate's samples teacher-forced into
     ``<out_dir>/golden-scored/`` (:func:`~regress.replay.plan.plan_golden_scoring`): how likely the
     golden's model finds what the candidate sampled. One more engine load, only for sampled prompts,
-    and with ``golden_scoring="auto"`` only when the candidate's logprobs of the golden's tokens
-    are not the golden's (:func:`regress.metrics.sample_scorer.logprob_agreement`): where they
-    agree, its own logprobs of its samples are the baseline's and the engine is not started.
+    and with ``golden_scoring="auto"`` only when the candidate's decode logprobs are not the
+    golden's where both had the same context (:func:`regress.metrics.sample_scorer.logprob_agreement`):
+    where they agree, its own logprobs of its samples are the baseline's and the engine is not started.
     ``"always"`` has the baseline score them regardless.
 
     ``generation_defaults``: the candidate's generation_config defaults when the caller has read

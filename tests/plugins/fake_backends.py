@@ -25,7 +25,8 @@ class _Tokenizer:
 
 class EchoBackend(EngineBackend):
     """Returns the first bytes of the prompt as 'tokens' (each plus FAKE_OUTPUT_OFFSET, modulo
-    256, when set: another candidate's outputs). Dies with SIGILL on the shard given by
+    256, when set: another candidate's outputs; FAKE_LOGPROB_SHIFT moves every logprob it decodes by
+    that much: another candidate's model). Dies with SIGILL on the shard given by
     FAKE_CRASH_ON_SHARD the first time only (a marker file in FAKE_CRASH_MARKER_DIR records it),
     or on every shard when FAKE_CRASH_ALWAYS=1. FAKE_LOAD_DELAY_S: a slow load (seconds)."""
 
@@ -57,11 +58,13 @@ class EchoBackend(EngineBackend):
         self.shards_seen += 1
         out = []
         offset = int(os.environ.get("FAKE_OUTPUT_OFFSET", "0"))
+        shift = float(os.environ.get("FAKE_LOGPROB_SHIFT", "0"))
         for r in requests:
             ids = [(t + offset) % 256 for t in r.prompt_token_ids[: r.sampling["max_tokens"]]]
             k = r.sampling["logprobs"]
-            rows = LogprobRows(np.full(len(ids), -0.5, np.float32), np.tile(np.arange(k, dtype=np.int32), (len(ids), 1)),
-                               np.tile(-np.arange(1, k + 1, dtype=np.float32), (len(ids), 1)))
+            rows = LogprobRows(np.full(len(ids), -0.5 + shift, np.float32),
+                               np.tile(np.arange(k, dtype=np.int32), (len(ids), 1)),
+                               np.tile(-np.arange(1, k + 1, dtype=np.float32) + shift, (len(ids), 1)))
             out.append(RawGeneration(list(ids), bytes(ids).decode("utf-8", "replace"), "length", rows))
             progress(1)
         return out
