@@ -99,7 +99,7 @@ def test_each_vllm_version_ran_in_its_own_cached_environment(pipeline, candidate
     from regress.metrics.sample_scorer import logprob_agreement
 
     agreement = logprob_agreement(nxt, golden)
-    assert agreement.compared == 548 and agreement.mean_abs < 0.01, agreement
+    assert agreement.compared >= 540 and not agreement.prompt_differs and agreement.mean_abs < 0.01, agreement
     assert (pipeline / "runs" / "next" / "golden-scored").exists() is not agreement.holds
     assert not logprob_agreement(load_run(pipeline / "runs" / "fp8-kv"), golden).holds
     assert (pipeline / "runs" / "fp8-kv" / "golden-scored" / "manifest.json").is_file()
