@@ -91,11 +91,11 @@ def test_each_vllm_version_ran_in_its_own_cached_environment(pipeline, candidate
     prefilled = nxt.manifest.teacher_force_prefilled
     assert prefilled is not None and all("#" in entry for entry in prefilled) and len(prefilled) <= 72
     assert nxt.manifest.model.files_sha256 == golden.manifest.model.files_sha256
-    # Whose model scores the samples follows the measured agreement of each candidate's logprobs
-    # of the golden's tokens with the golden's (docs/verdicts.md, "Whose model scores the samples").
-    # The next release's are within the 0.02 nat/token tolerance on hosts without AMX (0.0047 at
-    # most) and beyond it with AMX's bf16 kernels (0.056 on one sample): its own logprobs score its
-    # samples exactly when they agree. FP8 KV's differ by up to 0.8 on every host.
+    # Whose model scores the samples follows the measured agreement of each candidate's decode
+    # logprobs with the golden's where both had the same context (docs/verdicts.md, "Whose model
+    # scores the samples"): its own logprobs score its samples exactly when they agree. The next
+    # release's agree (identical to the bit on the host with AMX; 0.0047 at most on the AMD host
+    # under the earlier rule, which counted prefills); FP8 KV's differ by up to 0.8.
     from regress.metrics.sample_scorer import logprob_agreement
 
     agreement = logprob_agreement(nxt, golden)

@@ -59,13 +59,8 @@ class Run:
         return self.entries[entry_id]
 
 
-def _entry(tokens: list[int], logprobs: list[float], *, prompt: tuple[int, ...] = (1, 2, 3),
-           forced: list[float] | None = None, forced_tokens: list[int] | None = None) -> Entry:
-    ids = np.asarray(tokens, dtype=np.int32)
-    tf = None
-    if forced is not None:
-        tf = _track(forced_tokens if forced_tokens is not None else tokens, forced)
-    return Entry(np.asarray(prompt, dtype=np.int32), ids, _track(tokens, logprobs), tf)
+def _entry(tokens: list[int], logprobs: list[float], *, prompt: tuple[int, ...] = (1, 2, 3)) -> Entry:
+    return Entry(np.asarray(prompt, dtype=np.int32), np.asarray(tokens, dtype=np.int32), _track(tokens, logprobs))
 
 
 def _shifted(track: Track, shift: float, positions: slice = slice(None)) -> Track:

@@ -138,8 +138,7 @@ def logprob_agreement(run: Any, golden: Any, tolerance: float = OWN_SCORING_TOLE
         n, diff = _same_context_differences(candidate, reference)
         if not diff.size:
             continue
-        with np.errstate(invalid="ignore"):
-            summed = float(diff.sum())
+        summed = float(diff.sum())  # inf or NaN where a logprob was not finite on one side
         means.append((summed / diff.size if math.isfinite(summed) else math.nan, entry_id))
         positions += n
         values += diff.size

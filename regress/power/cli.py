@@ -87,7 +87,7 @@ def power(
                 sample = quick_sample(prompt_set, golden, p.quick.size(quick_prompts))
                 prompt_set = sample.prompts
                 # Each sample size has its own ladder: a sampled one never overwrites the whole set's.
-                where = where / "quick" / ("" if sample.whole else f"sample-{sample.chosen}")
+                where = where / "quick" if sample.whole else where / "quick" / f"sample-{sample.chosen}"
                 if not sample.whole:
                     sink.status(f"the quick ladder prefills {sample.describe()}")
                 reference, noise = baseline_reference(p, spec, sample, golden, thresholds, None, sink, False)
