@@ -121,8 +121,21 @@ def _join_xdist_group(item: pytest.Item, group: str, config: pytest.Config) -> N
         item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
+# The session fixtures that several heavy modules share (an engine run, a Redis server, warm
+# engines): the modules that use them run in one worker so each is made once. A heavy module
+# that uses none of them (it builds its own project, servers or ladder) is a scheduling unit of
+# its own, which goes to whichever worker runs out of work first.
+SHARED_SESSION = frozenset({"workspace", "golden_dir", "verdict_workspace", "alone_arm", "shared_engines",
+                            "same_run", "redis_server"})
+
+
+def _heavy_group(module: str, shares: bool) -> str:
+    return "heavy" if shares else f"heavy-{Path(module).stem}"
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (xdist.remote)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    heavy: list[pytest.Item] = []
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in STARTS.items():
@@ -136,9 +149,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # with one OpenMP thread per engine (above): with two, the groups took 32 minutes.
             _join_xdist_group(item, "real-model", config)
         elif any(item.get_closest_marker(marker) for marker in HEAVY):
-            _join_xdist_group(item, "heavy", config)
+            heavy.append(item)
         else:
             item.add_marker("fast")
+    # Per module, not per test: a module's own module-scoped fixtures (its servers, its ladder)
+    # must not be made twice on two workers. On the host with AMX the one heavy group was 1,259 s
+    # of work against the real model's 737 s, and set the suite's pace (docs/benchmarks.md).
+    sharing = {str(item.path) for item in heavy if set(getattr(item, "fixturenames", ())) & SHARED_SESSION}
+    for item in heavy:
+        _join_xdist_group(item, _heavy_group(str(item.path), str(item.path) in sharing), config)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -50,6 +50,7 @@ def pipeline(tmp_path_factory, candidate_envs) -> Path:
     root = tmp_path_factory.mktemp("pipeline")
     _copy_repository(root)
     first = dvc("repro", cwd=root)
+    (root.parent / "dvc-repro.log").write_text(first.stdout + first.stderr)  # beside the copy, for a post-mortem
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert {"prompts", "model", "quantize@w8a8", "quantize@w4a16", "golden", "replay@next", "score@next",
             "report"} <= ran(first)

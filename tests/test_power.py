@@ -3,7 +3,7 @@
 One project, made once for the module: the fixture model in float32 (its own noise is ~1e-13 nat,
 so the ladder's small steps sit below the KL resolution and its large ones far above it), a
 24-prompt set of which 2 hold a trigger token, a golden with two noise arms of one kind (rerun
-and batch), then `regress power` over four steps. Checked: the ladder's verdict is monotone with
+and batch), then `regress power` over three steps. Checked: the ladder's verdict is monotone with
 a passing and a failing step, both noise arms pass against each other, and a later scoring shows
 the figure (metrics.json, report, summary); a candidate damaged on the 2 trigger prompts only is
 within the noise as a whole and still fails, on its severe regressions.
@@ -22,7 +22,7 @@ from conftest import run_cli, write_params
 
 pytestmark = pytest.mark.engine
 
-STEPS = "0.01,0.1,1,10"
+STEPS = "0.1,1,10"  # measured: 0.1 % passes (24 of 24 identical, KL 1x the noise), 1 % and 10 % fail
 PROMPTS, TRIGGER, TRIGGERED = 24, "@", (5, 17)
 
 
@@ -68,7 +68,7 @@ def test_the_ladder_is_monotone_with_a_pass_and_a_fail(power_project) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     power = json.loads((root / "power/power.json").read_text())
     verdicts = [s["verdict"] for s in power["steps"]]
-    assert [s["scale"] for s in power["steps"]] == [0.0001, 0.001, 0.01, 0.1] and len(verdicts) >= 4
+    assert [s["scale"] for s in power["steps"]] == [0.001, 0.01, 0.1] and len(verdicts) == 3
     first = verdicts.index("fail")
     assert first > 0 and all(v == "fail" for v in verdicts[first:]) and power["monotone"], verdicts
     assert power["smallest_failing"] == power["steps"][first]["key"] and power["basis"] == "noise"
@@ -189,7 +189,8 @@ def test_a_quick_check_of_a_sample_prefills_the_sample_against_the_baselines_pre
     from regress.runs import load_run
 
     root, _ = power_project
-    run_cli("check", "same", "--quick", cwd=root)  # the whole set's reference, made before the sample's
+    if not (root / "quick/.baseline/run/manifest.json").is_file():  # the whole set's reference, made before the sample's
+        assert run_cli("check", "same", "--quick", cwd=root).returncode == 0
     whole_ref = json.loads((root / "quick/.baseline/run/manifest.json").read_text())["run_id"]
     expected = quick_sample(load_prompt_set(root / "datasets/prompts/power.jsonl"), load_run(root / "golden"), 8)
     chosen = [p.id for p in expected.prompts.prompts]
