@@ -272,10 +272,12 @@ def run_check(
     from regress.datasets import load_prompt_set
     from regress.diagnosis.run import diagnose
     from regress.effective import generation_defaults
+    from regress.prewarm import import_in_background
     from regress.replay import replay
     from regress.runs import load_run
 
     ready_to_run(params, spec, executor)
+    import_in_background()  # the scoring's imports, while the replay waits on its engine
     prompt_set = load_prompt_set(params.dataset)
     golden_run = load_run(golden_dir or params.golden_dir())
     # Read once for the check: the plan resolves sampling with them, the manifest records them,

@@ -186,6 +186,7 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
     None: params.yaml's ``quick.prompts``). The baseline's reference is made of the same prompts."""
     from regress.datasets import load_prompt_set
     from regress.errors import ConfigError
+    from regress.prewarm import import_in_background
     from regress.quick_sample import quick_sample
     from regress.replay import replay
     from regress.report import write_candidate_report
@@ -195,6 +196,7 @@ def quick_check(params: "Params", spec: "CandidateSpec", *, executor: "Executor 
 
     if executor is None:  # runs here: a missing model directory is an error now, not after an engine start
         params.check_model_paths(spec)
+    import_in_background()  # the scoring's imports, while the prefills wait on their engines
     prompt_set = load_prompt_set(params.dataset)
     golden = load_run(params.golden_dir())
     baseline = params.golden_baseline(golden.manifest) or params.baseline
