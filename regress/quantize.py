@@ -67,7 +67,9 @@ def quantize_model(
             os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
             calibration = Path(tmp) / "calibration.json"
             calibration.write_text(json.dumps(calibration_texts()), encoding="utf-8")
-            env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+            # Bytecode written as it imports: the environment was installed without it.
+            env_vars = {k: v for k, v in os.environ.items()
+                        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
             env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
             cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out",
                    str(partial.resolve()), "--scheme", scheme, "--calibration", str(calibration)]

@@ -260,3 +260,30 @@ def test_the_default_backend_versions_are_python_and_numpy():
         load = get_tokenizer = generate = teacher_force = lambda *a: None  # type: ignore[assignment]
 
     assert Bare({}).versions() == {"python": sys.version.split()[0], "numpy": np.__version__}
+
+
+# ------------------------------------------------------------------ vLLM's cache, per environment
+
+
+def test_each_environment_has_its_own_vllm_cache(tmp_path, monkeypatch):
+    """vLLM's model-info cache is stamped with its version's source hash: two versions sharing one
+    cache overwrite each other's entry and pay a subprocess import at every start. Each
+    environment gets its own, under REGRESS_HOME; a candidate's setting or the user's wins."""
+    from regress.engine.client import _prepare_shim
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    old, new = (tmp_path / "envs" / name / "bin" / "python" for name in ("vllm-0.31", "vllm-0.32"))
+    roots = []
+    for i, python in enumerate((old, new, old)):
+        (tmp_path / f"s{i}").mkdir()
+        roots.append(_prepare_shim(CandidateSpec(name="c", model="m"), tmp_path / f"s{i}", python=python)["VLLM_CACHE_ROOT"])
+    assert roots[0] != roots[1] and roots[0] == roots[2]
+    assert all(Path(r).parent == tmp_path / "home" / "vllm-cache" for r in roots)
+    assert Path(roots[0]).name.startswith("vllm-0.31-")
+    own = CandidateSpec(name="c", model="m", env={"VLLM_CACHE_ROOT": "/srv/vllm-cache"})
+    (tmp_path / "s3").mkdir()
+    assert _prepare_shim(own, tmp_path / "s3", python=old)["VLLM_CACHE_ROOT"] == "/srv/vllm-cache"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/home/u/vllm")
+    (tmp_path / "s4").mkdir()
+    assert _prepare_shim(CandidateSpec(name="c", model="m"), tmp_path / "s4", python=new)["VLLM_CACHE_ROOT"] == "/home/u/vllm"

@@ -47,11 +47,18 @@ def test_list_and_remove(tmp_path, monkeypatch):
     assert find_env(spec) is None  # no marker: incomplete, not listed
     (path / ENV_MARKER).write_text(json.dumps({"package": "example==1.0", "requirements": []}))
     assert [e.spec for e in list_envs()] == [spec]
+    from regress.home import vllm_cache_root
+
+    vllm_cache = vllm_cache_root(path / "bin" / "python")  # vLLM's cache for this environment
+    (vllm_cache / "modelinfos").mkdir(parents=True)
+    kept = vllm_cache_root(tmp_path / "envs" / "other-1.0" / "bin" / "python")
+    kept.mkdir(parents=True)
     result = run_cli("env", "list", "--json", env={"REGRESS_HOME": str(tmp_path)})
     assert json.loads(result.stdout)[0]["package"] == "example==1.0"
     result = run_cli("env", "remove", "example==1.0", env={"REGRESS_HOME": str(tmp_path)})
     assert result.returncode == 0 and "removed" in result.stdout
     assert not path.exists() and list_envs() == []
+    assert not vllm_cache.exists() and kept.exists()
 
 
 @pytest.mark.envs  # a real pip run into a new venv
@@ -462,3 +469,47 @@ def test_a_rebuilt_base_refuses_its_layers(tmp_path, offline_pip, monkeypatch):
     result = run_cli("env", "remove", "tiny-base==1.0", env=home)
     assert result.returncode == 0 and f"{spec.describe()}: removed (layered over it)" in result.stdout
     assert not layer.path.exists() and list_envs() == []
+
+
+def test_a_vllm_candidate_in_a_current_environment_without_vllm_is_refused_before_it_starts(monkeypatch):
+    """The demo's .venv has no vLLM (its engines run in candidate environments): `package: current`
+    with a vLLM backend there says what to install instead of failing inside the engine."""
+    from regress.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib finds no vllm
+    with pytest.raises(MissingDependencyError, match=r"candidate 'here' runs in the current environment .* no vLLM .*regress\[cpu\]"):
+        python_for(CandidateSpec(name="here", model="m"))
+    with pytest.raises(MissingDependencyError):
+        python_for(CandidateSpec(name="here", model="m", backend="server"))
+    assert python_for(CandidateSpec(name="ref", model="m", backend="hf"))[0] == Path(sys.executable)
+    remote = CandidateSpec(name="far", model="m", backend="server", server={"url": "http://127.0.0.1:9/v1"})
+    assert python_for(remote)[0] == Path(sys.executable)
+
+
+def test_an_environment_installs_without_bytecode_and_its_engine_process_writes_it(tmp_path, offline_pip, monkeypatch):
+    """pip compiles nothing (an engine imports a sixth of a vLLM environment's modules); the engine
+    process compiles what it imports, also where PYTHONDONTWRITEBYTECODE is set, and the
+    environment still verifies (bytecode is outside its digest)."""
+    from regress.engine.client import _prepare_shim
+    from regress.envs import build as envs
+    from wheels import build_wheel
+
+    real_probe = envs._probe
+    monkeypatch.setattr(envs, "_probe", lambda python, code: real_probe(
+        python, "pass" if code == "import numpy, transformers" else code))
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as this project's CI sets it
+    build_wheel(offline_pip, "tiny-eng", "1.0", {"tiny_eng.py": "VALUE = 1\n"})
+    env, created = ensure_env(EnvSpec("tiny-eng==1.0"))
+    site = next((env.path / "lib").glob("python*/site-packages"))
+    assert created and (site / "tiny_eng.py").exists()
+    assert not list(site.glob("__pycache__/tiny_eng.*.pyc"))  # pip ran with --no-compile
+    (tmp_path / "shim").mkdir()
+    environ = _prepare_shim(CandidateSpec(name="c", model="m"), tmp_path / "shim", python=env.python)
+    assert "PYTHONDONTWRITEBYTECODE" not in environ
+    subprocess.run([str(env.python), "-c", "import tiny_eng"], check=True, env=environ, cwd=tmp_path)
+    assert list(site.glob("__pycache__/tiny_eng.*.pyc"))
+    assert verify_env(env).hashed > 0
+    (tmp_path / "shim2").mkdir()
+    kept = CandidateSpec(name="c", model="m", env={"PYTHONDONTWRITEBYTECODE": "1"})  # a candidate may still ask
+    assert _prepare_shim(kept, tmp_path / "shim2", python=env.python)["PYTHONDONTWRITEBYTECODE"] == "1"

@@ -137,10 +137,10 @@ def test_api_key_variable_reaches_only_its_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("REGRESS_OTHER_TOKEN", "x")
     server = CandidateSpec(name="s", model="m", backend="server", server={"api_key_env": KEY_VARIABLE})
     (tmp_path / "a").mkdir()
-    env = _prepare_shim(server, tmp_path / "a")
+    env = _prepare_shim(server, tmp_path / "a", python=tmp_path / "env" / "bin" / "python")
     assert env[KEY_VARIABLE] == KEY_VALUE and "REGRESS_OTHER_TOKEN" not in env
     (tmp_path / "b").mkdir()
-    assert KEY_VARIABLE not in _prepare_shim(CandidateSpec(name="o", model="m"), tmp_path / "b")
+    assert KEY_VARIABLE not in _prepare_shim(CandidateSpec(name="o", model="m"), tmp_path / "b", python=tmp_path / "env" / "bin" / "python")
     assert KEY_VALUE not in json.dumps(_shown_env(engine_environment(server)))
 
 

@@ -46,6 +46,7 @@ from regress.engine.protocol import (
     encode,
 )
 from regress.errors import EngineError, InputError
+from regress.home import vllm_cache_root
 from regress.records import CandidateSpec
 from regress.redact import without_secrets
 from regress.watchdog import register_child, unregister_child
@@ -109,7 +110,7 @@ class EngineProcess:
         imports and loads while the caller goes on (:meth:`wait_loaded` collects its reply)."""
         remove_stale_shims()
         self._shim = tempfile.TemporaryDirectory(prefix=f"{SHIM_PREFIX}{os.getpid()}-")
-        env = _prepare_shim(self.candidate, Path(self._shim.name))
+        env = _prepare_shim(self.candidate, Path(self._shim.name), python=self.python)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
@@ -334,16 +335,19 @@ class EngineProcess:
 SHIM_PREFIX = "regress-shim-"
 
 
-def _prepare_shim(candidate: CandidateSpec, shim: Path) -> dict[str, str]:
+def _prepare_shim(candidate: CandidateSpec, shim: Path, *, python: Path) -> dict[str, str]:
     """Fill the engine process's private directory ``shim`` (the regress package, a temp
-    directory) and return the process's environment variables."""
+    directory) and return the process's environment variables for the engine run by ``python``."""
     # The candidate environment holds vLLM, not regress: expose only the regress package
     # directory to it, through a private directory on PYTHONPATH.
     os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
     # Nor the orchestrator's secrets (broker URL and key, tokens, watcher URLs, passwords): the
     # engine runs third-party code that has no use for them. A candidate's own ``env`` may still
     # set any variable on purpose.
-    env = {k: v for k, v in without_secrets(os.environ).items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # Nor PYTHONDONTWRITEBYTECODE: candidate environments are installed without bytecode
+    # (regress.envs.build), and the engine's imports compile once, for every later start.
+    env = {k: v for k, v in without_secrets(os.environ).items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     env.update(engine_environment(candidate))
     # The server backend's API key, by the variable the candidate names: passed to this engine
     # alone, whatever its name looks like, and never recorded (the manifest shows only
@@ -368,6 +372,8 @@ def _prepare_shim(candidate: CandidateSpec, shim: Path) -> dict[str, str]:
     private_tmp.mkdir()
     (private_tmp / shared_cache.name).symlink_to(shared_cache, target_is_directory=True)
     env["TMPDIR"] = str(private_tmp)
+    # vLLM's cache, one per environment (regress.home.vllm_cache_root says why).
+    env.setdefault("VLLM_CACHE_ROOT", str(vllm_cache_root(python)))
     return env
 
 

