@@ -4,6 +4,7 @@ unset sampling fields) and the manifest's ``effective`` record, read back from t
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,51 @@ def test_the_configuration_table_shows_what_the_engine_applied(golden_dir):
     older = golden.model_copy(update={"effective": None})
     rows = {(r.section, r.name): r for r in config_diff(older, golden)}
     assert rows[("effective", "max model len")].baseline == "—"
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_vllm_inspects_the_model_class_in_process_on_cpus_only(monkeypatch, cpu):
+    """vLLM's fresh process for inspecting a model class keeps CUDA out of the parent; on a CPU
+    it only imports vLLM again (7-8 s per first engine start), so the CPU engine inspects in
+    process, with the same function. GPUs keep the subprocess."""
+    import types
+
+    from regress.backends.vllm_offline import _inspect_models_in_process
+
+    calls: list[str] = []
+
+    def subprocess_run(fn):
+        calls.append("subprocess")
+        return fn()
+
+    registry = types.ModuleType("vllm.model_executor.models.registry")
+    registry._run_in_subprocess = subprocess_run
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
+    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+                         "vllm.model_executor.models": types.ModuleType("vllm.model_executor.models"),
+                         "vllm.model_executor.models.registry": registry, "vllm.platforms": platforms}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["vllm.model_executor.models"].registry = registry
+    sys.modules["vllm"].platforms = platforms
+    assert _inspect_models_in_process() is cpu
+    assert registry._run_in_subprocess(lambda: "model info") == "model info"
+    assert calls == ([] if cpu else ["subprocess"])
+
+
+def test_a_vllm_without_the_inspection_subprocess_is_left_alone(monkeypatch):
+    import types
+
+    from regress.backends.vllm_offline import _inspect_models_in_process
+
+    registry = types.ModuleType("vllm.model_executor.models.registry")  # a release that moved it
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
+    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+                         "vllm.model_executor.models": types.ModuleType("vllm.model_executor.models"),
+                         "vllm.model_executor.models.registry": registry, "vllm.platforms": platforms}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["vllm.model_executor.models"].registry = registry
+    assert _inspect_models_in_process() is False and not hasattr(registry, "_run_in_subprocess")
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # no vLLM at all
+    assert _inspect_models_in_process() is False
