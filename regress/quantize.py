@@ -19,6 +19,7 @@ from typing import Callable
 
 import regress
 from regress.envs import EnvSpec, ensure_env
+from regress.envs.spec import FOREIGN_INTERPRETER_VARIABLES
 from regress.errors import ConfigError, RunError
 from regress.storage import building
 
@@ -67,9 +68,7 @@ def quantize_model(
             os.symlink(Path(regress.__file__).resolve().parent, shim / "regress")
             calibration = Path(tmp) / "calibration.json"
             calibration.write_text(json.dumps(calibration_texts()), encoding="utf-8")
-            # Bytecode written as it imports: the environment was installed without it.
-            env_vars = {k: v for k, v in os.environ.items()
-                        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
+            env_vars = {k: v for k, v in os.environ.items() if k not in FOREIGN_INTERPRETER_VARIABLES}
             env_vars.update(PYTHONPATH=str(shim), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
             cmd = [str(env.python), "-m", "regress.quantize_entry", "--model", str(model), "--out",
                    str(partial.resolve()), "--scheme", scheme, "--calibration", str(calibration)]

@@ -191,13 +191,29 @@ def test_the_configuration_table_shows_what_the_engine_applied(golden_dir):
     assert rows[("effective", "max model len")].baseline == "—"
 
 
+def _fake_vllm(monkeypatch, *, cpu: bool, subprocess_run=None):
+    """A stand-in vLLM in sys.modules: its registry (with ``subprocess_run`` as the inspection
+    subprocess, or none, as a release that moved it) and its platform."""
+    import types
+
+    registry = types.ModuleType("vllm.model_executor.models.registry")
+    if subprocess_run is not None:
+        registry._run_in_subprocess = subprocess_run
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
+    modules = {name: types.ModuleType(name) for name in ("vllm", "vllm.model_executor", "vllm.model_executor.models")}
+    modules["vllm.model_executor.models"].registry = registry
+    modules["vllm"].platforms = platforms
+    for name, module in {**modules, registry.__name__: registry, platforms.__name__: platforms}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return registry
+
+
 @pytest.mark.parametrize("cpu", [True, False])
 def test_vllm_inspects_the_model_class_in_process_on_cpus_only(monkeypatch, cpu):
     """vLLM's fresh process for inspecting a model class keeps CUDA out of the parent; on a CPU
     it only imports vLLM again (7-8 s per first engine start), so the CPU engine inspects in
     process, with the same function. GPUs keep the subprocess."""
-    import types
-
     from regress.backends.vllm_offline import _inspect_models_in_process
 
     calls: list[str] = []
@@ -206,34 +222,16 @@ def test_vllm_inspects_the_model_class_in_process_on_cpus_only(monkeypatch, cpu)
         calls.append("subprocess")
         return fn()
 
-    registry = types.ModuleType("vllm.model_executor.models.registry")
-    registry._run_in_subprocess = subprocess_run
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu)
-    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
-                         "vllm.model_executor.models": types.ModuleType("vllm.model_executor.models"),
-                         "vllm.model_executor.models.registry": registry, "vllm.platforms": platforms}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    sys.modules["vllm.model_executor.models"].registry = registry
-    sys.modules["vllm"].platforms = platforms
+    registry = _fake_vllm(monkeypatch, cpu=cpu, subprocess_run=subprocess_run)
     assert _inspect_models_in_process() is cpu
     assert registry._run_in_subprocess(lambda: "model info") == "model info"
     assert calls == ([] if cpu else ["subprocess"])
 
 
 def test_a_vllm_without_the_inspection_subprocess_is_left_alone(monkeypatch):
-    import types
-
     from regress.backends.vllm_offline import _inspect_models_in_process
 
-    registry = types.ModuleType("vllm.model_executor.models.registry")  # a release that moved it
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
-    for name, module in {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
-                         "vllm.model_executor.models": types.ModuleType("vllm.model_executor.models"),
-                         "vllm.model_executor.models.registry": registry, "vllm.platforms": platforms}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    sys.modules["vllm.model_executor.models"].registry = registry
+    registry = _fake_vllm(monkeypatch, cpu=True)  # a release that moved it
     assert _inspect_models_in_process() is False and not hasattr(registry, "_run_in_subprocess")
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # no vLLM at all
     assert _inspect_models_in_process() is False

@@ -45,6 +45,7 @@ from regress.engine.protocol import (
     decode_reply,
     encode,
 )
+from regress.envs.spec import FOREIGN_INTERPRETER_VARIABLES
 from regress.errors import EngineError, InputError
 from regress.home import vllm_cache_root
 from regress.records import CandidateSpec
@@ -344,10 +345,8 @@ def _prepare_shim(candidate: CandidateSpec, shim: Path, *, python: Path) -> dict
     # Nor the orchestrator's secrets (broker URL and key, tokens, watcher URLs, passwords): the
     # engine runs third-party code that has no use for them. A candidate's own ``env`` may still
     # set any variable on purpose.
-    # Nor PYTHONDONTWRITEBYTECODE: candidate environments are installed without bytecode
-    # (regress.envs.build), and the engine's imports compile once, for every later start.
-    env = {k: v for k, v in without_secrets(os.environ).items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
+    # Nor the variables that belong to this interpreter (FOREIGN_INTERPRETER_VARIABLES).
+    env = {k: v for k, v in without_secrets(os.environ).items() if k not in FOREIGN_INTERPRETER_VARIABLES}
     env.update(engine_environment(candidate))
     # The server backend's API key, by the variable the candidate names: passed to this engine
     # alone, whatever its name looks like, and never recorded (the manifest shows only

@@ -24,8 +24,8 @@ from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _rec
 from regress.envs.lock import _lock
 from regress.envs.lockfile import (EnvLock, constraint_args, has_lock, locked_distributions, pins_in_conflict, read_lock,
                                    relock_hint, write_lock)
-from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
-from regress.errors import CandidateEnvError, ConfigError
+from regress.envs.spec import ENV_FORMAT_VERSION, ENV_MARKER, FOREIGN_INTERPRETER_VARIABLES, CandidateEnv, EnvSpec, _read_marker, env_path, envs_root, layers_over
+from regress.errors import CandidateEnvError, ConfigError, MissingDependencyError
 from regress.home import vllm_cache_root
 from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
 from regress.storage import atomic_write_text
@@ -59,8 +59,8 @@ def _clean_environ() -> dict[str, str]:
 
     # pip and the probes need no broker, token or watcher URL (PIP_* credentials stay: pip's own).
     env = without_secrets(os.environ)
-    # PYTHONDONTWRITEBYTECODE too: pip installs without compiling, the probes' imports compile.
-    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV", "PYTHONDONTWRITEBYTECODE"):
+    # The probes' imports compile (FOREIGN_INTERPRETER_VARIABLES): pip installs without compiling.
+    for var in (*FOREIGN_INTERPRETER_VARIABLES, "PIP_REQUIRE_VIRTUALENV"):
         env.pop(var, None)
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
@@ -398,8 +398,6 @@ def _current_has_engine(candidate: CandidateSpec) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        from regress.errors import MissingDependencyError
-
         raise MissingDependencyError(
             f"candidate '{candidate.name}' runs in the current environment (package: current), which has no "
             f"vLLM ({sys.prefix}): install it there (pip install 'regress[cpu]'; ./scripts/test sets .venv up "

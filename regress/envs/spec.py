@@ -26,6 +26,12 @@ ENV_MANIFEST = "regress-env.files.json"
 ENV_FORMAT_VERSION = 1
 
 
+FOREIGN_INTERPRETER_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")
+"""Variables of this process that a candidate environment's interpreter must not inherit: the
+paths would point it at regress's own environment, and its environment is installed without
+bytecode (regress.envs.build), so its processes write bytecode as they import."""
+
+
 def envs_root() -> Path:
     """Where candidate environments live."""
     return regress_home() / "envs"
