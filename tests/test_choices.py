@@ -295,6 +295,10 @@ def test_every_run_stores_each_choices_teacher_forced_log_likelihood(choice_runs
     tokenizer = AutoTokenizer.from_pretrained(str(fixture_model))
     golden, same, hf = choice_runs["golden"], choice_runs["same"], choice_runs["hf"]
     assert golden.choices("plain") is None and golden["plain"].choices is None
+    # vLLM scored the choices' positions only (regress.backends.vllm_scored_positions); the HF
+    # reference's forward pass, which knows nothing of that, agrees with it (next test).
+    assert golden.manifest.effective.teacher_force_positions == "completion"
+    assert same.manifest.effective.teacher_force_positions == "completion"
     for prompt in (p for p in ENGINE_PROMPTS if "choices" in p):
         for run in (golden, same, hf):
             scores = run[prompt["id"]].choices

@@ -22,6 +22,7 @@ from regress.backends.base import (
     read_chat_template,
     tokenizer_facts,
 )
+from regress.backends import vllm_scored_positions as scored_positions
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
                     "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "repetition_penalty",
@@ -99,6 +100,9 @@ class VllmOfflineBackend(EngineBackend):
         model_config = self._llm.llm_engine.model_config
         self._max_model_len = int(model_config.max_model_len)
         self._flat = _supports_flat_logprobs()
+        # Teacher forcing scores only the completion's positions where the engine allows it
+        # (regress.backends.vllm_scored_positions): most of a prefill's logprob work otherwise.
+        self._scored_from_unavailable = scored_positions.enable(self._llm, _vocab_size(model_config))
         return {
             "resolved_path": str(getattr(model_config, "model", spec["model"])),
             "revision": getattr(model_config, "revision", None) or spec.get("revision"),
@@ -154,6 +158,9 @@ class VllmOfflineBackend(EngineBackend):
             "attention": None if attention is None else str(json_value(attention)),
             "engine_generation_defaults": defaults,
             "tokenizer": tokenizer,
+            "teacher_force_positions": "completion" if self._scored_from_unavailable is None else "all",
+            **({"teacher_force_positions_reason": self._scored_from_unavailable}
+               if self._scored_from_unavailable is not None else {}),
         })
 
     def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
@@ -221,9 +228,15 @@ class VllmOfflineBackend(EngineBackend):
         from vllm.inputs import TokensPrompt
 
         extra = {"flat_logprobs": True} if self._flat else {}
-        params = SamplingParams(
-            temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False, **extra
-        )
+
+        def params(prompt_length: int) -> Any:
+            # Logprobs from the completion's first token (row prompt_length - 1) where the engine
+            # allows (rows before it are zeros there and never read).
+            scored = ({"extra_args": {scored_positions.SCORE_FROM: prompt_length - 1}}
+                      if self._scored_from_unavailable is None and prompt_length > 1 else {})
+            return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False,
+                                  **extra, **scored)
+
         todo: list[int] = []
         prompts = []
         kept: list[int] = []
@@ -238,13 +251,21 @@ class VllmOfflineBackend(EngineBackend):
                 prompts.append(TokensPrompt(prompt_token_ids=list(prompt_ids) + list(completion_ids[:n])))
         results = [LogprobRows.empty(k) for _ in sequences]
         if prompts:
-            outputs = self._llm.generate(prompts, params, use_tqdm=_progress_bar_class(progress))
+            outputs = self._llm.generate(prompts, [params(len(sequences[i][0])) for i in todo],
+                                         use_tqdm=_progress_bar_class(progress))
             for i, output in zip(todo, outputs):
                 prompt_ids, completion_ids = sequences[i]
                 results[i] = _rows_from_logprobs(
                     output.prompt_logprobs, completion_ids[: kept[i]], len(prompt_ids), k
                 )
         return results
+
+
+def _vocab_size(model_config: Any) -> int:
+    try:
+        return int(model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001 - the probe only needs ids inside the vocabulary
+        return 32_000
 
 
 def _supports_flat_logprobs() -> bool:

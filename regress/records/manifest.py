@@ -351,6 +351,12 @@ class EffectiveConfig(_Record):
     """Whether batch-invariant kernels are on (vLLM ``VLLM_BATCH_INVARIANT``)."""
     attention: str | None = None
     """Attention implementation or backend, where the engine names it (hf: ``attn_implementation``)."""
+    teacher_force_positions: str | None = Field(None, exclude_if=lambda v: v is None)
+    """Where teacher forcing computed logprobs: ``completion`` (only the scored positions,
+    :mod:`regress.backends.vllm_scored_positions`) or ``all`` (every prompt position, as the engine
+    does by itself). None where the backend does not say (manifests written before it: ``all``)."""
+    teacher_force_positions_reason: str | None = Field(None, exclude_if=lambda v: v is None)
+    """With ``all`` on an engine that could have done ``completion``: why not."""
     server: dict[str, Any] | None = None
     """``server`` backend only: the server's URL (credentials never recorded), endpoint, requests in
     flight, whether regress started it, and the vLLM version the server reports."""

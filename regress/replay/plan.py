@@ -245,6 +245,10 @@ PREFILL_ONLY = "prefill-only"
 """What a plan with ``generate=False`` is for (part of its fingerprint)."""
 
 
+SCORED_POSITIONS = "completion"
+"""Where teacher forcing asks the engine for logprobs (part of a prefill-only plan's fingerprint)."""
+
+
 GOLDEN_SCORING = "golden-scores-samples"
 """What a plan from :func:`plan_golden_scoring` is for (part of its fingerprint)."""
 
@@ -302,6 +306,11 @@ def _plan(candidate: CandidateSpec, prompt_set: PromptSet, entries: list[Entry],
     }
     if purpose is not None:  # left out otherwise: the fingerprints of existing runs stay as they were
         identity["purpose"] = purpose
+    if purpose == PREFILL_ONLY:
+        # A quick check compares prefill with prefill (its reference, its noise arm, the candidate):
+        # a reference scored at every prompt position, before the engine scored only the
+        # completion's (regress.backends.vllm_scored_positions), is made again, not mixed in.
+        identity["scored_positions"] = SCORED_POSITIONS
     if sends_client_fields(candidate):
         # Its requests leave fields to the server now: a served run finished before (every field
         # explicit, the candidate stored the same) is another experiment and must not be reused.

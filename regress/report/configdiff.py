@@ -155,6 +155,7 @@ _EFFECTIVE_ROWS = (
     ("enable_chunked_prefill", "chunked prefill"), ("max_num_seqs", "max num seqs"),
     ("max_num_batched_tokens", "max num batched tokens"), ("batch_invariant", "batch invariant"),
     ("generation_config", "generation_config"), ("server", "server"),
+    ("teacher_force_positions", "teacher-forced positions"),
 )
 
 
