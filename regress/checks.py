@@ -7,6 +7,7 @@ here, so a check means the same thing whoever starts it. The commands that run o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ from regress.config import Params
 from regress.records import CandidateSpec, RunManifest, ScoredRun
 
 if TYPE_CHECKING:
-    from typing import Callable, ContextManager
+    from typing import Callable, ContextManager, Iterator
 
     from regress.datasets import PromptSet
     from regress.replay.warm import WarmEngines
@@ -79,6 +80,22 @@ def ready_to_run(params: Params, spec: CandidateSpec, executor: "Executor | None
     return executor
 
 
+@contextmanager
+def local_engines(executor: "Executor | None") -> "Iterator[tuple[Executor | None, WarmEngines | None]]":
+    """For a command that runs the baseline more than once (the golden, then its noise arms):
+    run here (``executor`` None), one pool of warm engines for all of its runs and the local
+    executor on it, so that an arm that only changes what is sent reuses the golden's engine
+    instead of paying for another start; elsewhere (Celery), ``executor`` and no pool."""
+    if executor is not None:
+        yield executor, None
+        return
+    from regress.replay import LocalExecutor
+    from regress.replay.warm import WarmEngines
+
+    with WarmEngines(keep=1) as engines:
+        yield LocalExecutor.on(engines, fresh=True), engines
+
+
 def measure_noise(
     params: Params,
     spec: CandidateSpec,
@@ -88,10 +105,13 @@ def measure_noise(
     *,
     progress: "Callable[[str], ContextManager[ProgressSink]] | None" = None,
     force: bool = False,
+    engines: "WarmEngines | None" = None,
 ) -> "NoiseFloor":
     """Run params' noise arms of ``spec`` (the golden's candidate) against the golden in
     ``golden_dir``, scored with params' thresholds and metrics, and write golden/noise.json
-    (:func:`regress.noise.arms.run_arms`). ``progress``: makes the display, given its title."""
+    (:func:`regress.noise.arms.run_arms`). ``progress``: makes the display, given its title.
+    ``engines``: the warm engines of the golden's run (:func:`local_engines`); run here without
+    them, the arms get a pool of their own."""
     from contextlib import nullcontext
 
     from regress.home import regress_home
@@ -102,10 +122,11 @@ def measure_noise(
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")
     shown = progress(f"noise arms of '{spec.name}'") if progress is not None else nullcontext(None)
-    with shown as sink:
+    pool = local_engines(executor) if engines is None else nullcontext((executor, engines))
+    with pool as (_, arm_engines), shown as sink:
         return run_arms(spec, prompt_set, golden_dir, params.noise, thresholds=thresholds,
                         expected=expected_answers(prompt_set), executor=executor, progress=sink,
-                        force=force, metrics=metrics)
+                        force=force, metrics=metrics, engines=arm_engines)
 
 
 @dataclass(frozen=True)

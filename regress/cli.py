@@ -212,7 +212,7 @@ def golden(
     queue: Optional[str] = QueueOption,
 ) -> None:
     """Run the baseline over the prompt set and write the golden outputs."""
-    from regress.checks import executor_for, ready_to_run
+    from regress.checks import executor_for, local_engines, ready_to_run
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.progress import RichProgress
@@ -224,20 +224,23 @@ def golden(
         chosen = ready_to_run(p, spec, executor_for(p, executor, queue))
         prompt_set = load_prompt_set(dataset or p.dataset)
         out_dir = out or p.golden_dir()
-        with RichProgress(f"golden '{spec.name}'") as progress:
-            manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size, progress=progress,
-                                  force=force, executor=chosen)
-        summarise_run(manifest, out_dir)
-        if p.noise is not None:  # params' noise: measure the baseline's own floor right away
-            _run_noise(p, spec, prompt_set, out_dir, chosen, force=force)
+        # Run here, the noise arms that only change what is sent run on the golden's engine.
+        with local_engines(chosen) as (runs_on, engines):
+            with RichProgress(f"golden '{spec.name}'") as progress:
+                manifest = run_replay(spec, prompt_set, out_dir, shard_size=shard_size or p.shard_size,
+                                      progress=progress, force=force, executor=runs_on)
+            summarise_run(manifest, out_dir)
+            if p.noise is not None:  # params' noise: measure the baseline's own floor right away
+                _run_noise(p, spec, prompt_set, out_dir, chosen, force=force, engines=engines)
 
 
-def _run_noise(p, spec, prompt_set, golden_dir: Path, chosen, *, force: bool = False) -> None:  # type: ignore[no-untyped-def]
+def _run_noise(p, spec, prompt_set, golden_dir: Path, chosen, *, force: bool = False, engines=None) -> None:  # type: ignore[no-untyped-def]
     """Run params' noise arms against the golden, write golden/noise.json, print the floor."""
     from regress.checks import measure_noise
     from regress.progress import RichProgress
 
-    floor = measure_noise(p, spec, prompt_set, golden_dir, chosen, progress=RichProgress, force=force)
+    floor = measure_noise(p, spec, prompt_set, golden_dir, chosen, progress=RichProgress, force=force,
+                          engines=engines)
     print_noise_floor(floor, golden_dir)
 
 

@@ -25,6 +25,8 @@ from regress.engine.protocol import (
     MemoryRequest,
     ProgressEvent,
     ProtocolError,
+    ResetReply,
+    ResetRequest,
     ShardReply,
     ShardRequest,
     VocabReply,
@@ -56,7 +58,7 @@ PROMPT = {"id": "a", "payload": {"prompt": "hi"}, "sampling": {"logprobs": 2}}
     ShardRequest(index=3, prompts=[PROMPT], teacher_force=[[[1, 2], [3]]], out="/r/s.shard", meta={"run_id": "r"}),
     ShardRequest(index=0, prompts=[PROMPT], teacher_force=None, out="/r/s.shard"),
     ShardRequest(index=1, prompts=[PROMPT], teacher_force=[[[1, 2], [3]]], out="/r/s.shard", generate=False),
-    MemoryRequest(), VocabRequest(out="/r/tokens.json"), ExitRequest(),
+    MemoryRequest(), VocabRequest(out="/r/tokens.json"), ResetRequest(), ExitRequest(),
 ])
 def test_every_request_round_trips(request_):
     line = encode(request_)
@@ -70,6 +72,8 @@ def test_every_request_round_trips(request_):
     ShardReply(result={"index": 0, "generation_s": 1.5, "teacher_forcing_s": 0.0, "prompt_tokens": 3, "output_tokens": 4}),
     MemoryReply(memory={"peak_rss_mib": 1.0, "peak_gpu_mib": None}),
     VocabReply(),
+    ResetReply(reset=True),
+    ResetReply(reset=False),
     ErrorReply(op="shard", error={"type": "input", "message": "no chat template", "traceback": "..."}),
     ErrorReply(op=None, error={"type": "protocol", "message": "not JSON", "traceback": ""}),
     ProgressEvent(index=1, phase="teacher_force", done=7),
@@ -94,6 +98,9 @@ def _line(**data):
     (_line(ok=True, op="load", info={**INFO, "hardware": {**INFO["hardware"], "tpus": []}}), "unknown field(s) tpus"),
     (_line(ok=True, op="shard", result={"index": "0"}), "shard reply, result: field 'index' must be an integer >= 0, got str '0'"),
     (_line(ok=True, op="teleport"), "unknown op 'teleport'"),
+    (_line(ok=True, op="reset"), "reset reply: field 'reset' is missing"),
+    (_line(ok=True, op="reset", reset="yes"), "field 'reset' must be true or false"),
+    (_line(ok=True, op="reset", reset=1), "field 'reset' must be true or false"),
     (_line(ok="yes"), "field 'ok' must be true or false"),
     (_line(ok=False, op="shard", error={"type": "x", "message": "m"}), "field 'traceback' is missing"),
     (_line(event="finished"), "unknown event 'finished'"),
@@ -123,7 +130,7 @@ def test_a_malformed_engine_message_names_what_is_wrong(line, expected):
 
 @pytest.mark.parametrize("data, expected", [
     ({"op": "load"}, "no 'protocol' version field"),
-    ({"protocol": 1, "op": "fly"}, "unknown op 'fly'; known: load, shard, memory, vocab, exit"),
+    ({"protocol": 1, "op": "fly"}, "unknown op 'fly'; known: load, shard, memory, vocab, reset, exit"),
     ({"protocol": 1, "op": "load", "spec": {"model": "m"}}, "load request, spec: field 'backend' is missing"),
     ({"protocol": 1, "op": "vocab"}, "vocab request: field 'out' is missing"),
     ({"protocol": 1, "op": "shard", "index": 0, "prompts": [{"id": "a"}], "teacher_force": None, "out": "x"},

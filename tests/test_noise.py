@@ -212,6 +212,11 @@ def test_an_arm_that_flips_a_prompt_makes_the_same_flip_benign(alone_arm, tmp_pa
     assert "noise arm 'alone'" in result.stdout and "noisy on the baseline itself" in result.stdout
     floor = NoiseFloor.model_validate_json(noise_path(root / "golden").read_text())
     assert floor.golden_run_id == json.loads((root / "golden/manifest.json").read_text())["run_id"]
+    # The arm ran on the golden's engine, which cleared vLLM's prefix cache first: no second start,
+    # and the flips below are the planted batch variance, not prompts read back from a cache.
+    arm_facts = json.loads((root / "golden/noise-arms/alone/engine-info.json").read_text())
+    assert arm_facts["reused"] == {"runs_before": 1, "cache_cleared": True}
+    assert json.loads((root / "golden/noise-arms/alone/manifest.json").read_text())["timings"]["engine_loads"] == 0
     # The candidate: the baseline with shard size 1, the arm's only change (on this CPU a rerun of
     # the same layout is bit-identical, so its run is the arm's; replaying it again costs a minute).
     shutil.copytree(root / "golden/noise-arms/alone", root / "runs/alone")

@@ -137,3 +137,73 @@ def test_a_baseline_started_early_for_nothing_is_stopped(tmp_path: Path) -> None
     assert time.monotonic() - started < 30
     assert (out / "manifest.json").is_file() and not (out / "golden-scored").exists()
     assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]
+
+
+# ------------------------------------------------------------------ noise arms on the golden's engine
+
+
+def test_a_fresh_acquire_has_a_reused_engine_forget_its_cache_or_starts_another(tmp_path: Path) -> None:
+    """A noise arm needs what a freshly started engine computes: the reused engine is asked to
+    clear its cache, and one that cannot say it did is replaced, not reused."""
+    for cannot, same in (("0", True), ("1", False)):
+        spec = _spec(FAKE_CANNOT_RESET=cannot)
+        with WarmEngines(keep=1) as engines:
+            first, loaded = engines.acquire(spec, log=tmp_path / f"a{cannot}.log")
+            assert loaded and first.cache_cleared is None
+            plain, loaded = engines.acquire(spec, log=tmp_path / f"b{cannot}.log")
+            assert plain is first and not loaded and plain.cache_cleared is None  # not asked
+            again, loaded = engines.acquire(spec, log=tmp_path / f"c{cannot}.log", fresh=True)
+            assert (again is first) is same and loaded is not same and engines.loads == (1 if same else 2)
+            if same:
+                assert again.cache_cleared is True
+            else:
+                assert first.engine.pid is None  # the old one is closed, not left beside the new
+
+
+def _noise_project(tmp_path: Path, arms: list[str]) -> Path:
+    from report_fixtures import NO_SEMANTIC
+
+    rows = [{"id": f"p{i}", "prompt": f"prompt number {i} " + "x" * i} for i in range(6)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "params.yaml").write_text(
+        "dataset: p.jsonl\nshard_size: 2\nbaseline:\n  backend: plugins.fake_backends:EchoBackend\n"
+        f"  model: none\n  env: {json.dumps({'PYTHONPATH': PLUGIN_PATH})}\n"
+        f"thresholds: {{metrics: {json.dumps(NO_SEMANTIC)}}}\nnoise: {{arms: {json.dumps(arms)}}}\n")
+    return tmp_path
+
+
+def test_the_golden_s_noise_arms_run_on_its_engine_and_a_rerun_starts_its_own(tmp_path: Path) -> None:
+    """`regress golden` run here: the arms that change only what is sent (another shard size,
+    each prompt alone) reuse the golden's engine, its cache cleared first (engine-info.json says
+    so, and no second load is timed); a rerun repeats the engine's start too. Whatever the order
+    they are listed in, noise.json keeps it."""
+    from conftest import run_cli
+
+    root = _noise_project(tmp_path, ["rerun", "batch", "alone"])
+    result = run_cli("golden", cwd=root)
+    assert result.returncode == 0, result.stderr + result.stdout
+    arms = root / "golden" / "noise-arms"
+    for name, reused in (("batch", True), ("alone", True), ("rerun", False)):
+        manifest = json.loads((arms / name / "manifest.json").read_text())
+        facts = json.loads((arms / name / "engine-info.json").read_text())
+        assert manifest["timings"]["engine_loads"] == (0 if reused else 1), name
+        if reused:  # no other run's load counted as the arm's
+            assert manifest["timings"]["engine_load_s"] == 0, name
+        assert ("reused" in facts) is reused, name
+        if reused:
+            assert facts["reused"]["cache_cleared"] is True and facts["reused"]["runs_before"] >= 1
+    floor = json.loads((root / "golden" / "noise.json").read_text())
+    assert [a["name"] for a in floor["arms"]] == ["rerun", "batch", "alone"]
+
+
+def test_an_engine_that_cannot_clear_its_cache_is_not_reused_by_an_arm(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    root = _noise_project(tmp_path, ["batch"])
+    params = (root / "params.yaml").read_text().replace('"PYTHONPATH"', '"FAKE_CANNOT_RESET": "1", "PYTHONPATH"')
+    (root / "params.yaml").write_text(params)
+    result = run_cli("golden", cwd=root)
+    assert result.returncode == 0, result.stderr + result.stdout
+    manifest = json.loads((root / "golden/noise-arms/batch/manifest.json").read_text())
+    assert manifest["timings"]["engine_loads"] == 1
+    assert "reused" not in json.loads((root / "golden/noise-arms/batch/engine-info.json").read_text())

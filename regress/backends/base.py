@@ -147,6 +147,13 @@ class EngineBackend(abc.ABC):
     def close(self) -> None:
         """Release the engine."""
 
+    def reset_cache(self) -> bool:
+        """Forget what earlier requests computed (a prefix cache), so that the next request is
+        computed as on a freshly loaded engine. True when nothing of them is left to reuse; the
+        default, False, says the backend cannot tell (a warm engine is then not reused where a
+        fresh one is needed: :meth:`regress.replay.warm.WarmEngines.acquire`)."""
+        return False
+
     def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
         """The engine's own sampling parameters for one resolved sampling, as the engine holds
         them after construction (JSON values); None when the backend has no such object."""

@@ -181,6 +181,9 @@ class HFReferenceBackend(EngineBackend):
     def get_tokenizer(self) -> Any:
         return self._tokenizer
 
+    def reset_cache(self) -> bool:
+        return True  # nothing outlives a generate call: each builds its own key-value cache
+
     def versions(self) -> dict[str, str | None]:
         found = {**super().versions(), **distribution_versions("torch", "transformers", "accelerate")}
         if found["accelerate"] is None:  # optional for transformers: recorded only when it is there

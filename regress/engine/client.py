@@ -37,6 +37,8 @@ from regress.engine.protocol import (
     ProtocolError,
     Reply,
     Request,
+    ResetReply,
+    ResetRequest,
     ShardReply,
     ShardRequest,
     ShardSummary,
@@ -151,6 +153,11 @@ class EngineProcess:
     def write_vocabulary(self, out: str | Path) -> None:
         """Have the engine write its vocabulary (tokens.json) to ``out``."""
         self.request(VocabRequest(out=str(out)), VocabReply, timeout_s=600, what="vocabulary")
+
+    def reset_cache(self) -> bool:
+        """Have the engine forget what earlier requests computed (its prefix cache); True when
+        nothing of them is left to reuse (:class:`~regress.engine.protocol.ResetReply`)."""
+        return self.request(ResetRequest(), ResetReply, timeout_s=60, what="cache reset").reset
 
     def close(self, *, ask_first: bool = True) -> None:
         """Ask the process to exit; kill it if it does not. Without ``ask_first``, kill it at once

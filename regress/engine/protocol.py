@@ -16,6 +16,7 @@ reply, preceded by any number of progress events, on its protocol stream::
      "meta": {...}}                                       {"ok": true, "op": "shard", "result": {...}}
     {"op": "memory"}                                      {"ok": true, "op": "memory", "memory": {...}}
     {"op": "vocab", "out": "path/tokens.json"}            {"ok": true, "op": "vocab"}
+    {"op": "reset"}                                       {"ok": true, "op": "reset", "reset": true}
     {"op": "exit"}                                        (no reply: the process exits)
 
 A request that fails is answered ``{"ok": false, "op": ..., "error": {"type", "message",
@@ -212,6 +213,14 @@ class VocabRequest(_Request):
 
 
 @dataclass(frozen=True)
+class ResetRequest(_Request):
+    """Forget what earlier requests left in the engine (vLLM's prefix cache), so that the next run
+    on this warm engine computes as a freshly started one would (a noise arm on the golden's engine)."""
+
+    op: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True)
 class ExitRequest(_Request):
     """Exit; not answered."""
 
@@ -250,6 +259,16 @@ class VocabReply(_OkReply):
 
 
 @dataclass(frozen=True)
+class ResetReply(_OkReply):
+    """What a reset left."""
+
+    op: ClassVar[str] = "reset"
+    reset: bool
+    """True: nothing earlier requests computed is left for a later one to reuse; False: the engine
+    cannot say so (a server regress does not run, a backend without a way to clear its cache)."""
+
+
+@dataclass(frozen=True)
 class ErrorReply(_Message):
     """A request failed; the engine process is still up."""
 
@@ -273,8 +292,8 @@ class ProgressEvent(_Message):
         return {"event": "progress"}
 
 
-Request = Union[LoadRequest, ShardRequest, MemoryRequest, VocabRequest, ExitRequest]
-Reply = Union[LoadReply, ShardReply, MemoryReply, VocabReply, ErrorReply]
+Request = Union[LoadRequest, ShardRequest, MemoryRequest, VocabRequest, ResetRequest, ExitRequest]
+Reply = Union[LoadReply, ShardReply, MemoryReply, VocabReply, ResetReply, ErrorReply]
 EngineMessage = Union[Reply, ProgressEvent]
 """What the engine process sends."""
 
@@ -453,6 +472,7 @@ _REQUESTS: dict[str, Callable[[_Fields], Request]] = {
     "shard": _shard_request,
     "memory": lambda f: MemoryRequest(),
     "vocab": lambda f: VocabRequest(out=f.get("out", _is_str, "a path")),
+    "reset": lambda f: ResetRequest(),
     "exit": lambda f: ExitRequest(),
 }
 
@@ -539,6 +559,7 @@ _REPLIES: dict[str, Callable[[_Fields], Reply]] = {
     "shard": lambda f: ShardReply(result=_shard_summary(f.get("result", _is_dict, "an object"), f"{f.what}, result")),
     "memory": lambda f: MemoryReply(memory=_memory(f.get("memory", _is_dict, "an object"), f"{f.what}, memory")),
     "vocab": lambda f: VocabReply(),
+    "reset": lambda f: ResetReply(reset=f.get("reset", _is_bool, "true or false")),
 }
 
 

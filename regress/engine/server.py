@@ -52,6 +52,8 @@ from regress.engine.protocol import (
     ProtocolError,
     Reply,
     Request,
+    ResetReply,
+    ResetRequest,
     ShardReply,
     ShardRequest,
     VocabReply,
@@ -150,6 +152,10 @@ class EngineServer:
             # A warm engine serving a new run (a Celery worker) writes the vocabulary there too.
             self.write_vocabulary(request.out)
             return VocabReply()
+        if isinstance(request, ResetRequest):
+            if self.backend is None:
+                raise RuntimeError("no engine loaded")
+            return ResetReply(reset=bool(self.backend.reset_cache()))
         raise ProtocolError(f"no handler for op {request.op!r}")
 
     def load(self, spec: dict[str, Any]) -> LoadReply:

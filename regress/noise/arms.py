@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from regress.datasets import PromptSet
     from regress.records import CandidateSpec, ScoredRun
     from regress.replay import Executor, ProgressSink
+    from regress.replay.warm import WarmEngines
     from regress.runs import RunResult
 
 
@@ -91,6 +92,7 @@ def run_arms(
     generate: bool = True,
     reference: "RunResult | None" = None,
     score: "Callable[[RunResult], ScoredRun] | None" = None,
+    engines: "WarmEngines | None" = None,
 ) -> NoiseFloor:
     """Replay the baseline under every arm of ``settings`` against the golden in ``golden_dir``,
     score each, and build (and, with ``write``, store as ``golden/noise.json``) the floor.
@@ -100,8 +102,14 @@ def run_arms(
     A quick check's floor: ``generate=False`` (the arms prefill the golden's completions only),
     ``reference`` (the baseline's own prefill: the arms' runs go under it, and the floor is its,
     written beside it) and ``score`` (how an arm's run is scored: against that reference).
+
+    ``engines`` (local runs; ``executor`` is then not used): the arms run on these warm engines,
+    those that run the golden's configuration first (:attr:`NoiseArm.on_golden_engine`), on the
+    golden's engine if it is still there, each asking it to forget the earlier run's cache first;
+    a ``rerun`` on an engine of its own. At most one engine is alive at a time when the pool
+    keeps one.
     """
-    from regress.replay import replay
+    from regress.replay import LocalExecutor, replay
     from regress.runs import load_run
     from regress.scoring import build_metrics, score_runs
     from regress.verdict import Thresholds
@@ -116,18 +124,26 @@ def run_arms(
         def score(run: "RunResult") -> "ScoredRun":
             return score_runs(golden, run, t, expected=expected, metrics=metrics)
 
-    results = []
     golden_concurrency = baseline.server.concurrency if baseline.server is not None else 1
-    for arm in settings.arms:
+    arms = list(settings.arms)
+    shared = LocalExecutor.on(engines, fresh=True) if engines is not None else None
+    # With warm engines, the arms that reuse the golden's engine go first, while it is there.
+    order = sorted(range(len(arms)), key=lambda i: not arms[i].on_golden_engine) if shared is not None else range(len(arms))
+    done: dict[int, tuple[NoiseArmResult, "ScoredRun"]] = {}
+    for i in order:
+        arm = arms[i]
         out = arm_dir(owner.path, arm.key)
         spec, size = arm_setup(baseline, arm, golden_size, golden_concurrency)
         if progress is not None:
             kind = "noise arm" if generate else "prefill-only noise arm"
             progress.status(f"{kind} '{arm.key}': {arm.changed(golden_size, golden_concurrency)}")
+        if engines is not None and not arm.on_golden_engine:
+            engines.discard(spec)  # a rerun repeats the engine's start too; others start their own anyway
         manifest = replay(spec, prompt_set, out, golden=golden, shard_size=size, generate=generate,
-                          executor=executor, progress=progress, force=force)
+                          executor=shared or executor, progress=progress, force=force)
         scored = score(load_run(out))
-        results.append((arm_result(arm, golden_size, golden_concurrency, manifest, scored), scored))
+        done[i] = (arm_result(arm, golden_size, golden_concurrency, manifest, scored), scored)
+    results = [done[i] for i in range(len(arms))]
     floor = build_floor(owner.manifest.run_id, results, k=settings.k, q=settings.quantile)
     if write:
         write_floor(floor, owner.path)

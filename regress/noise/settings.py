@@ -60,6 +60,14 @@ class NoiseArm(BaseModel):
             return f"concurrency-{self.concurrency}"
         return self.name
 
+    @property
+    def on_golden_engine(self) -> bool:
+        """Whether the arm runs the golden's own engine configuration and changes only what it is
+        sent (another shard size): run locally, it reuses the golden's engine, its cache cleared,
+        instead of starting another. A ``rerun`` starts its own: the engine's start is part of
+        what it repeats."""
+        return self.name in ("batch", "alone")
+
     def concurrency_for(self, golden_concurrency: int) -> int:
         """The requests in flight this arm replays with, for a golden made with ``golden_concurrency``."""
         if self.concurrency is not None:

@@ -25,7 +25,7 @@ from regress.storage import atomic_write_text
 from regress.watchdog import Phase, phase
 
 if TYPE_CHECKING:
-    from regress.replay.warm import WarmEngines
+    from regress.replay.warm import WarmEngine, WarmEngines
 
 
 @dataclass
@@ -37,12 +37,15 @@ class ExecutionOutcome:
     engine_load_s: float
     memory: dict[str, Any]
     environment: str | None = None
+    reused: bool = False
+    """The run got a warm engine an earlier run had loaded: it timed no engine load of its own."""
 
 
 def saved_execution_outcome(run_dir: Path) -> ExecutionOutcome:
     """What the executor recorded when it ran the shards now on disk (nothing left to run)."""
     saved = json.loads((run_dir / ENGINE_INFO_FILE).read_text(encoding="utf-8"))
-    return ExecutionOutcome(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"))
+    return ExecutionOutcome(saved["info"], 0, 0.0, saved.get("memory", {}), saved.get("environment"),
+                            reused="reused" in saved)
 
 
 class Executor(Protocol):
@@ -81,25 +84,37 @@ def _phases_of(task: ShardTask, current: Phase, progress: ProgressSink) -> Calla
     return on_progress
 
 
+def _engine_facts(warm: "WarmEngine", loaded: bool) -> dict[str, Any]:
+    """What engine-info.json says of the engine a run got: its load facts, its environment, and
+    for a warm one an earlier run used, how many runs it had served and whether it forgot them."""
+    facts: dict[str, Any] = {"info": warm.info, "environment": warm.environment}
+    if not loaded:
+        facts["reused"] = {"runs_before": warm.runs, "cache_cleared": warm.cache_cleared}
+    return facts
+
+
 class LocalExecutor:
     """Runs every shard in one engine process on this machine (the default; no broker).
 
     If the engine dies (retryable), it is restarted and the shard retried, up to
     ``max_restarts`` times per run; finished shards are never redone. With ``engines`` (a pool of
     warm engines, :class:`regress.replay.warm.WarmEngines`) the engine comes from the pool and
-    stays warm after the run; without, the run starts its own and closes it at the end.
+    stays warm after the run; without, the run starts its own and closes it at the end. With
+    ``fresh`` too, a run on an engine an earlier run used first has it forget that run's cache
+    (a noise arm on the golden's engine: :meth:`regress.replay.warm.WarmEngines.acquire`).
     """
 
     def __init__(self, *, max_restarts: int = 1, shard_timeout_s: float | None = None,
-                 engines: "WarmEngines | None" = None):
+                 engines: "WarmEngines | None" = None, fresh: bool = False):
         self.max_restarts = max_restarts
         self.shard_timeout_s = shard_timeout_s
         self.engines = engines
+        self.fresh = fresh
 
     @classmethod
-    def on(cls, engines: "WarmEngines", *, max_restarts: int = 1) -> "LocalExecutor":
+    def on(cls, engines: "WarmEngines", *, max_restarts: int = 1, fresh: bool = False) -> "LocalExecutor":
         """The local executor, running on ``engines`` (they stay warm after each run)."""
-        return cls(max_restarts=max_restarts, shard_timeout_s=engines.shard_timeout_s, engines=engines)
+        return cls(max_restarts=max_restarts, shard_timeout_s=engines.shard_timeout_s, engines=engines, fresh=fresh)
 
     def run(self, plan: ReplayPlan, run_dir: Path, progress: ProgressSink) -> ExecutionOutcome:
         from regress.replay.warm import WarmEngines
@@ -117,12 +132,12 @@ class LocalExecutor:
             while queue:
                 if warm is None:
                     warm, loaded = pool.acquire(candidate, log=run_dir / ENGINE_LOG, vocab_out=run_dir / VOCAB_FILE,
-                                                on_status=progress.status)
+                                                on_status=progress.status, fresh=self.fresh)
                     if loaded:
                         loads += 1
                         load_s += warm.load_s
-                    atomic_write_text(info_file, json.dumps({"info": warm.info, "environment": warm.environment},
-                                                            default=str))
+                    facts = _engine_facts(warm, loaded)
+                    atomic_write_text(info_file, json.dumps(facts, default=str))
                     progress.status(f"running '{candidate.name}'")
                 task = queue[0]
                 try:
@@ -145,9 +160,8 @@ class LocalExecutor:
             assert warm is not None
             memory = dict(warm.engine.memory())
             warm.runs += 1
-            atomic_write_text(info_file, json.dumps({"info": warm.info, "memory": memory,
-                                                     "environment": warm.environment}, default=str))
+            atomic_write_text(info_file, json.dumps({**facts, "memory": memory}, default=str))
         finally:
             if self.engines is None:
                 pool.close()
-        return ExecutionOutcome(warm.info, loads, load_s, memory, warm.environment)
+        return ExecutionOutcome(warm.info, loads, load_s, memory, warm.environment, reused="reused" in facts)

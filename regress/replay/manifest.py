@@ -172,7 +172,8 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         teacher_force_prefilled=_prefilled(shard_metas),
         prefill_only=plan.prefill_only,
         timings=Timings(
-            engine_load_s=round(outcome.engine_load_s or float(info.get("engine_load_s", 0.0)), 3),
+            # A resumed run keeps the load its first attempt timed; a run on a reused engine timed none.
+            engine_load_s=round(outcome.engine_load_s or (0.0 if outcome.reused else float(info.get("engine_load_s", 0.0))), 3),
             generation_s=round(generation_s, 3),
             teacher_forcing_s=round(tf_s, 3),
             total_s=round(total_s, 3),

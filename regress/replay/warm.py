@@ -59,6 +59,9 @@ class WarmEngine:
     """The candidate environment it runs in (None: regress's own)."""
     load_s: float
     runs: int = 0
+    """Runs it finished."""
+    cache_cleared: bool | None = None
+    """Whether it forgot its earlier runs before the current one (None: not asked)."""
 
 
 class WarmEngines:
@@ -121,14 +124,26 @@ class WarmEngines:
 
     def acquire(self, spec: CandidateSpec, *, log: Path, vocab_out: Path | None = None,
                 load_timeout_s: float | None = None,
-                on_status: Callable[[str], None] | None = None) -> tuple[WarmEngine, bool]:
+                on_status: Callable[[str], None] | None = None,
+                fresh: bool = False) -> tuple[WarmEngine, bool]:
         """The warm engine of ``spec``'s configuration, started when there is none (its log to
         ``log``, its vocabulary to ``vocab_out``); returns it and whether it was started now. A
-        reused engine writes the vocabulary to ``vocab_out`` too."""
+        reused engine writes the vocabulary to ``vocab_out`` too.
+
+        ``fresh``: the caller needs what a freshly started engine computes (a noise arm measures
+        the baseline's own variation, not a cache's). A reused engine is then first asked to
+        forget its earlier requests (:meth:`EngineProcess.reset_cache`); one that cannot say it
+        did is closed and a new one started."""
         status = on_status or (lambda message: None)
         key = configuration_key(spec)
         self._refuse_recent_failure(key, spec)
         warm = self._warm.pop(key, None)
+        if warm is not None:
+            warm.cache_cleared = None
+        if warm is not None and fresh and not self._forgets(warm):
+            status(f"the warm engine of '{spec.name}' cannot clear its cache: starting a fresh one")
+            warm.engine.close()
+            warm = None
         if warm is not None:
             self._warm[key] = warm  # most recently used last: the least recently used goes first
             if vocab_out is not None:
@@ -177,6 +192,15 @@ class WarmEngines:
         warm = WarmEngine(engine, info, environment, float(info.get("engine_load_s", time.monotonic() - started)))
         self._warm[key] = warm
         return warm, True
+
+    @staticmethod
+    def _forgets(warm: WarmEngine) -> bool:
+        """Whether ``warm`` cleared what its earlier runs left (recorded on it for the run's facts)."""
+        try:
+            warm.cache_cleared = warm.engine.reset_cache()
+        except EngineError:
+            warm.cache_cleared = False  # dead or confused: a fresh engine is started instead
+        return warm.cache_cleared
 
     def _refuse_recent_failure(self, key: str, spec: CandidateSpec) -> None:
         failed = self._start_failures.get(key)

@@ -28,7 +28,8 @@ class EchoBackend(EngineBackend):
     256, when set: another candidate's outputs; FAKE_LOGPROB_SHIFT moves every logprob it decodes by
     that much: another candidate's model). Dies with SIGILL on the shard given by
     FAKE_CRASH_ON_SHARD the first time only (a marker file in FAKE_CRASH_MARKER_DIR records it),
-    or on every shard when FAKE_CRASH_ALWAYS=1. FAKE_LOAD_DELAY_S: a slow load (seconds)."""
+    or on every shard when FAKE_CRASH_ALWAYS=1. FAKE_LOAD_DELAY_S: a slow load (seconds).
+    FAKE_CANNOT_RESET=1: it cannot say it cleared its cache (as a server regress does not run)."""
 
     name = "echo"
 
@@ -42,6 +43,9 @@ class EchoBackend(EngineBackend):
 
     def get_tokenizer(self) -> Any:
         return _Tokenizer()
+
+    def reset_cache(self) -> bool:
+        return os.environ.get("FAKE_CANNOT_RESET") != "1"
 
     def _maybe_crash(self) -> None:
         if os.environ.get("FAKE_CRASH_ALWAYS") == "1":
