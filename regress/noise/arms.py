@@ -127,8 +127,8 @@ def run_arms(
     golden_concurrency = baseline.server.concurrency if baseline.server is not None else 1
     arms = list(settings.arms)
     shared = LocalExecutor.on(engines, fresh=True) if engines is not None else None
-    # With warm engines, the arms that reuse the golden's engine go first, while it is there.
-    order = sorted(range(len(arms)), key=lambda i: not arms[i].on_golden_engine) if shared is not None else range(len(arms))
+    # The arms that can reuse the golden's engine go first, while it is there; noise.json keeps the listed order.
+    order = sorted(range(len(arms)), key=lambda i: not arms[i].on_golden_engine)
     done: dict[int, tuple[NoiseArmResult, "ScoredRun"]] = {}
     for i in order:
         arm = arms[i]

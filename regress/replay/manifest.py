@@ -172,8 +172,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         teacher_force_prefilled=_prefilled(shard_metas),
         prefill_only=plan.prefill_only,
         timings=Timings(
-            # A resumed run keeps the load its first attempt timed; a run on a reused engine timed none.
-            engine_load_s=round(outcome.engine_load_s or (0.0 if outcome.reused else float(info.get("engine_load_s", 0.0))), 3),
+            engine_load_s=round(outcome.engine_load_s or _earlier_load_s(outcome, info), 3),
             generation_s=round(generation_s, 3),
             teacher_forcing_s=round(tf_s, 3),
             total_s=round(total_s, 3),
@@ -187,3 +186,9 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         effective=effective_record(plan.candidate, info, shard_metas,  # type: ignore[arg-type]
                                    plan.generation_defaults),
     )
+
+
+def _earlier_load_s(outcome: Any, info: dict[str, Any]) -> float:
+    """The load a run that loaded nothing now counts: a resumed run keeps the one its first
+    attempt timed (in its engine facts); a run on a reused warm engine timed none."""
+    return 0.0 if outcome.reused else float(info.get("engine_load_s", 0.0))
