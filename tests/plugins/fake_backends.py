@@ -29,7 +29,8 @@ class EchoBackend(EngineBackend):
     that much: another candidate's model). Dies with SIGILL on the shard given by
     FAKE_CRASH_ON_SHARD the first time only (a marker file in FAKE_CRASH_MARKER_DIR records it),
     or on every shard when FAKE_CRASH_ALWAYS=1. FAKE_LOAD_DELAY_S: a slow load (seconds).
-    FAKE_CANNOT_RESET=1: it cannot say it cleared its cache (as a server regress does not run)."""
+    FAKE_CANNOT_RESET=1: it cannot say it cleared its cache (as a server regress does not run);
+    FAKE_CANNOT_RESET=die: the process dies when asked to."""
 
     name = "echo"
 
@@ -45,6 +46,8 @@ class EchoBackend(EngineBackend):
         return _Tokenizer()
 
     def reset_cache(self) -> bool:
+        if os.environ.get("FAKE_CANNOT_RESET") == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
         return os.environ.get("FAKE_CANNOT_RESET") != "1"
 
     def _maybe_crash(self) -> None:
