@@ -174,8 +174,9 @@ def diagnose(
                 plan = plan_replay(job.spec, sub, golden=golden, shard_size=size, teacher_force=False)
                 progress.status(f"probe '{job.probe.name}' ({job.side}): {job.probe.changed}")
                 t0, before = time.monotonic(), engines.loads
-                # fresh: the probes send the same prompts again and again; an engine that kept the
-                # earlier probes' prefix cache would skip their prefill and compute otherwise.
+                # fresh: the probes send the same prompts again and again, so an engine that cannot
+                # confirm it cleared the earlier probes' prefix cache (which would skip their
+                # prefill and compute otherwise) is replaced rather than reused.
                 try:
                     execute_plan(plan, job.out, executor=LocalExecutor.on(engines, fresh=True), progress=progress, force=force)
                 except (EngineError, CandidateEnvError, InputError) as exc:
