@@ -204,6 +204,8 @@ def test_celery_results_are_identical_to_the_local_executor(workspace, same_run,
     assert remote.timings.engine_loads == 1  # one worker x one candidate, not one per shard
     info = json.loads((workspace / "runs" / "same-celery" / "engine-info.json").read_text())
     assert len(info["workers"]) == 1 and info["workers"][0].startswith("main@test:")  # the worker's --name
+    # Every shard after the first ran on the worker's warm engine, its prefix cache cleared first.
+    assert info["reused_shards"]["count"] >= 1 and info["reused_shards"]["cache_not_cleared"] == []
     assert (workspace / "runs" / "same-celery" / "tokens.json").is_file()
 
 

@@ -38,6 +38,8 @@ def test_a_real_shape_of_reply_passes():
     ({"worker": "w1\n::error::forged"}, "'worker' must be a printable name"),
     ({"worker": "x" * 300}, "'worker' must be a printable name"),
     ({"engine_loaded": "yes"}, "'engine_loaded' must be true or false"),
+    ({"cache_cleared": "yes"}, "'cache_cleared' must be true or false"),
+    ({"cache_cleared": None}, "'cache_cleared' must be true or false"),
     ({"engine_load_s": float("nan")}, "'engine_load_s' must be a finite number >= 0"),
     ({"engine_load_s": -3}, "'engine_load_s' must be a finite number >= 0"),
     ({"engine_load_s": "12"}, "'engine_load_s' must be a finite number >= 0"),
@@ -84,3 +86,26 @@ def test_a_forged_facts_file_in_shared_storage_stops_the_run_before_the_manifest
     (facts / "shard-00001.json").unlink()
     outcome = CeleryExecutor()._outcome({}, info_file)
     assert outcome.engine_loads == 1 and outcome.engine_load_s == 12.5 and outcome.memory["peak_rss_mib"] == 900.0
+
+
+def test_shards_on_a_reused_engine_that_could_not_clear_its_cache_are_named(tmp_path):
+    """A worker reuses its engine for the next shard (or the next run's) after asking it to clear
+    its prefix cache; engine-info.json says how many shards ran on a reused engine, and which of
+    them on one that could not say it forgot (as a local run's ``reused.cache_cleared``)."""
+    facts = tmp_path / ENGINE_FACTS_DIR
+    facts.mkdir()
+    replies = [{**REPLY, "index": 0},
+               {**REPLY, "index": 1, "engine_loaded": False, "engine_load_s": 0.0, "cache_cleared": True},
+               {**REPLY, "index": 2, "engine_loaded": False, "engine_load_s": 0.0, "cache_cleared": False}]
+    for reply in replies:
+        (facts / f"shard-{reply['index']:05d}.json").write_text(json.dumps(reply), encoding="utf-8")
+    info_file = tmp_path / "engine-info.json"
+    outcome = CeleryExecutor()._outcome({}, info_file)
+    assert outcome.engine_loads == 1
+    saved = json.loads(info_file.read_text())
+    assert saved["reused_shards"] == {"count": 2, "cache_not_cleared": [2]}
+    # No shard on a reused engine: nothing said.
+    (facts := tmp_path / "b" / ENGINE_FACTS_DIR).mkdir(parents=True)
+    (facts / "shard-00000.json").write_text(json.dumps({**REPLY, "index": 0}), encoding="utf-8")
+    CeleryExecutor()._outcome({}, tmp_path / "b" / "engine-info.json")
+    assert "reused_shards" not in json.loads((tmp_path / "b" / "engine-info.json").read_text())

@@ -268,8 +268,14 @@ class CeleryExecutor:
         workers = sorted({f"{r['worker']}:{r['pid']}" for r in replies})
         if not workers:
             workers = saved.get("workers", [])
-        atomic_write_text(info_file, json.dumps({"info": info, "memory": memory, "environment": environment,
-                                                 "workers": workers}, default=str))
+        facts = {"info": info, "memory": memory, "environment": environment, "workers": workers}
+        reused = [r for r in replies if "cache_cleared" in r]
+        if reused:  # as a local run's "reused": shards run on an engine an earlier shard had used
+            facts["reused_shards"] = {"count": len(reused), "cache_not_cleared": sorted(
+                int(r["index"]) for r in reused if not r["cache_cleared"])}
+        elif "reused_shards" in saved:
+            facts["reused_shards"] = saved["reused_shards"]
+        atomic_write_text(info_file, json.dumps(facts, default=str))
         # Folded into engine-info.json: the finished run keeps the summary only.
         shutil.rmtree(facts_dir, ignore_errors=True)
         return ExecutionOutcome(info, loads, load_s, memory, environment)

@@ -17,7 +17,7 @@ from regress.errors import ProtocolError
 from regress.untrusted import printable
 
 _FIELDS = {"index", "worker", "pid", "skipped", "stale", "engine_loaded", "engine_load_s", "engine_info",
-           "environment", "memory"}
+           "environment", "memory", "cache_cleared"}
 
 
 def _problem(reply: dict[str, Any]) -> str | None:
@@ -32,7 +32,7 @@ def _problem(reply: dict[str, Any]) -> str | None:
     worker = reply.get("worker")
     if not isinstance(worker, str) or not 0 < len(worker) <= 255 or not worker.isprintable():
         return f"'worker' must be a printable name of at most 255 characters, got {worker!r}"
-    for flag in ("skipped", "stale", "engine_loaded"):
+    for flag in ("skipped", "stale", "engine_loaded", "cache_cleared"):
         if flag in reply and not isinstance(reply[flag], bool):
             return f"'{flag}' must be true or false, got {reply[flag]!r}"
     load_s = reply.get("engine_load_s", 0.0)

@@ -147,6 +147,8 @@ def run_shard(payload: dict[str, Any], *, deadline: float | None = None, max_res
             reply = {**base, "skipped": False, "engine_loaded": loaded_now,
                      "engine_load_s": warm.load_s if loaded_now else 0.0,
                      "engine_info": warm.info, "environment": warm.environment, "memory": memory}
+            if not fresh:  # an engine an earlier shard used: did it say it cleared its cache?
+                reply["cache_cleared"] = warm.cache_cleared is True
             facts_file = engine_facts_file(run_dir, request.index)
             facts_file.parent.mkdir(exist_ok=True)
             atomic_write_text(facts_file, json.dumps(reply, default=str))
