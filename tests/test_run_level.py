@@ -153,15 +153,20 @@ def test_severity_decides_what_is_severe() -> None:
     assert severe(outside, T), "a token outside the golden's top-k is categorical"
     assert severe(mild, Thresholds(severe_regression=1.2))
     # A sampled prompt whose four samples mean something else (the demo's 'next' on the capital of
-    # Italy: 'Rome.' four times against four phrasings) is a regression of degree, not a category:
-    # the sampled prompts' run-level test judges it, it does not gate alone.
+    # Italy: 'Rome.' four times against four phrasings) is a rule of degree, not a category: the
+    # sampled prompts' run-level test judges it, it does not gate alone. Four samples a side
+    # cannot put the gap beyond chance (1 split in 70 at best): drift. Scores written before the
+    # permutation test (no p) keep the gap alone's regression.
     from regress.metrics.sampled import DISTRIBUTION_RULE
 
     sampled = {"samples": 4, "tf_kl_mean": 0.0, "tf_positions": 0, "sample_semantic_gap": 0.35,
                "sample_semantic_candidate": 0.65, "sample_semantic_golden": 0.99, "sample_logprob_shift": -0.9,
                "sample_logprob_p": 0.12}
-    assert DISTRIBUTION_RULE.check(sampled, T)[0], "the rule calls it a regression"
+    assert DISTRIBUTION_RULE.check(sampled, T)[0], "without a p the rule calls it a regression"
     assert not DISTRIBUTION_RULE.categorical and not severe(sampled, T)
+    regression, drift = DISTRIBUTION_RULE.check({**sampled, "sample_semantic_p": 1 / 70}, T)
+    assert not regression and drift and "permutation p = 0.014" in drift[0]
+    assert DISTRIBUTION_RULE.check({**sampled, "sample_semantic_p": 1e-4}, T)[0]
 
 
 def test_the_basis_says_what_the_verdict_rests_on() -> None:

@@ -176,6 +176,78 @@ def test_sampled_prompt_classes_and_answer_rates() -> None:
     assert unit.row["answer_rate_golden"] == 1.0 and unit.row["answer_rate_candidate"] == 0.125
 
 
+def _bag_of_words(pairs: list) -> list[dict]:
+    """A stand-in embedder for the semantic part: cosine of word counts."""
+    from collections import Counter
+
+    def cosine(a: str, b: str) -> float:
+        x, y = Counter(a.lower().split()), Counter(b.lower().split())
+        dot = sum(x[w] * y[w] for w in x)
+        return float(dot / (np.sqrt(sum(v * v for v in x.values())) * np.sqrt(sum(v * v for v in y.values()))))
+
+    return [{"semantic_similarity": cosine(p.golden.text, p.candidate.text)} for p in pairs]
+
+
+def _semantic_class(golden_texts: list[str], candidate_texts: list[str]) -> tuple[dict, str, list[str]]:
+    from regress.verdict import classify
+
+    n = len(golden_texts)
+    lp = [-1.0 - 0.01 * k for k in range(n)]
+    pairs = _group(lp, list(reversed(lp)), texts=(golden_texts, candidate_texts))
+    sampled = group_values(pairs, similarity=_bag_of_words)
+    values = [dict(sampled, identical=False, input_drift=False, tf_kl_mean=0.0, tf_positions=2,
+                   tf_same_top1_rate=1.0) for _ in pairs]
+    [unit] = prompt_units(pairs, values)
+    klass, reasons = classify(unit.row, Thresholds())
+    klass, reasons, _ = sampled_class(unit, klass, reasons, None, Thresholds())
+    return sampled, klass, reasons
+
+
+def test_a_semantic_gap_counts_only_beyond_what_random_splits_of_the_samples_show() -> None:
+    """The demo's `next` on the capital of Italy: the golden's four samples said "Rome." each time,
+    the candidate's, on a model whose teacher-forced logprobs were the golden's to the bit, said
+    it four ways. Against "Rome." x4 any other draw reads a large gap; the permutation test sees
+    that four samples a side cannot tell it from chance (at best 1 split in 70)."""
+    golden = ["rome is the capital"] * 4
+    candidate = ["rome is the capital city", "the capital city is rome", "it is rome in italy", "a city of italy"]
+    values, klass, reasons = _semantic_class(golden, candidate)
+    assert values["sample_semantic_gap"] > Thresholds().sampled_regression_semantic_gap
+    assert values["sample_semantic_p"] == pytest.approx(1 / 70)  # the most extreme of C(8, 4) splits
+    assert klass == "drift" and "permutation p = 0.014" in " ".join(reasons)
+    # One of the candidate's draws is the golden's own answer: five alike of eight, and as many
+    # splits as alike as the golden's (5 in 70): not beyond chance, benign.
+    values, klass, _ = _semantic_class(golden, ["rome is the capital"] + candidate[1:])
+    assert values["sample_semantic_p"] == pytest.approx(5 / 70) and klass == "benign"
+    # Eight samples a side that say something else: past the gap bound and beyond chance.
+    golden = [f"the cat sat on the mat number {k}" for k in range(8)]
+    candidate = [f"stocks fell sharply in early trading {k}" for k in range(8)]
+    values, klass, reasons = _semantic_class(golden, candidate)
+    assert values["sample_semantic_p"] < Thresholds().sampled_alpha
+    assert klass == "regression" and any("mean something else" in r for r in reasons)
+    # The same distribution, drawn again: no gap, a large p.
+    texts = [f"the cat sat on the {w}" for w in ("mat", "rug", "sofa", "bed", "floor", "chair", "step", "box")]
+    values, klass, _ = _semantic_class(texts, texts[4:] + texts[:4])
+    assert abs(values["sample_semantic_gap"]) < 0.05 and values["sample_semantic_p"] > 0.3
+    assert klass == "benign"
+
+
+def test_the_permutation_test_draws_a_fixed_sample_of_splits_when_there_are_too_many() -> None:
+    from math import comb
+
+    from regress.metrics.sampled import _EXACT_SPLITS, semantic_gap_p
+
+    n = 12
+    assert comb(2 * n, n) > _EXACT_SPLITS
+    rng = np.random.default_rng(3)
+    vectors = np.concatenate([rng.normal(0, 1, (n, 6)) + [3, 0, 0, 0, 0, 0], rng.normal(0, 1, (n, 6))])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    apart = vectors @ vectors.T
+    p = semantic_gap_p(apart, n)
+    assert p == semantic_gap_p(apart, n) and 1 / _EXACT_SPLITS <= p < 0.001  # reproducible, and it sees the gap
+    shuffled = vectors[rng.permutation(2 * n)]
+    assert semantic_gap_p(shuffled @ shuffled.T, n) > 0.01
+
+
 # ---------------------------------------------------------------- real engine
 
 

@@ -29,7 +29,9 @@ model are not meant to be equal, so this metric looks at the N samples of each s
 - **How varied they are**: distinct outputs among the N on each side.
 - **What they say**: the mean embedding cosine between golden and candidate samples (all N x N
   pairs) against the mean between two golden samples; the gap (golden-golden minus
-  golden-candidate) is near 0 when both sides say the same kind of thing.
+  golden-candidate) is near 0 when both sides say the same kind of thing. Like the logprob shift
+  it counts only beyond chance: a permutation test over the splits of both sides' 2N samples
+  into two groups of N (:func:`semantic_gap_p`).
 
 The teacher-forced measures (mean over the golden's N samples) and expected answers (success rate
 on each side with an interval for the difference) are added when the samples are put together
@@ -68,12 +70,13 @@ SAMPLED_DRIFT_ALPHA = Setting(
     doc="Sampled prompts: a logprob shift above sampled_benign_shift with p below this is drift (worth a look).")
 SAMPLED_BENIGN_SEMANTIC_GAP = Setting(
     "sampled_benign_semantic_gap", 0.15, ge=0, le=2,
-    doc="Sampled prompts: golden-golden minus golden-candidate mean embedding cosine at most this is benign "
-        "(reseeded SmolLM2 samples: -0.13 to 0.13).")
+    doc="Sampled prompts: golden-golden minus golden-candidate mean embedding cosine at most this is benign, "
+        "and so is a larger one that the permutation test does not find (p >= sampled_drift_alpha; reseeded "
+        "SmolLM2 samples: -0.13 to 0.13).")
 SAMPLED_REGRESSION_SEMANTIC_GAP = Setting(
     "sampled_regression_semantic_gap", 0.3, ge=0, le=2,
-    doc="Sampled prompts: golden-golden minus golden-candidate mean embedding cosine above this is a regression "
-        "(temperature 1.3 against 0.8 on SmolLM2: 0.15 to 0.51).")
+    doc="Sampled prompts: golden-golden minus golden-candidate mean embedding cosine above this with a "
+        "permutation p below sampled_alpha is a regression (temperature 1.3 against 0.8 on SmolLM2: 0.15 to 0.52).")
 
 _OUTPUTS = [
     Output("samples", "samples per side of a sampled prompt (temperature > 0, `samples:`)", label="samples",
@@ -104,6 +107,9 @@ _OUTPUTS = [
            label="golden-candidate cosine"),
     Output("sample_semantic_gap", "golden-golden minus golden-candidate mean cosine: about 0 when both sides say "
            "the same kind of thing", label="semantic gap", format="num", better="lower", headline=25),
+    Output("sample_semantic_p", "permutation p-value of the semantic gap: the share of the ways to split both "
+           "sides' samples into two groups of N whose gap is at least the observed one",
+           label="gap p", format="num", nonfinite="regression"),
 ]
 _NAMES = [o.name for o in _OUTPUTS]
 GROUP_VALUES = tuple(_NAMES)
@@ -124,15 +130,27 @@ def _distribution(values: Mapping[str, Any], t: Any) -> Findings:
             regression.append(f"{text}: beyond {t.sampled_regression_shift} at p < {t.sampled_alpha}")
         elif size > t.sampled_benign_shift and p < t.sampled_drift_alpha:
             not_benign.append(f"{text}: beyond {t.sampled_benign_shift} at p < {t.sampled_drift_alpha}")
-    gap = values.get("sample_semantic_gap")
+    gap, gap_p = values.get("sample_semantic_gap"), values.get("sample_semantic_p")
     if isinstance(gap, (int, float)):
         text = (f"candidate samples mean something else: golden-candidate cosine "
                 f"{values.get('sample_semantic_cross', float('nan')):.2f} against golden-golden "
                 f"{values.get('sample_semantic_golden', float('nan')):.2f}")
-        if gap > t.sampled_regression_semantic_gap:
-            regression.append(f"{text} (gap {gap:.2f} > {t.sampled_regression_semantic_gap})")
-        elif gap > t.sampled_benign_semantic_gap:
-            not_benign.append(f"{text} (gap {gap:.2f} > {t.sampled_benign_semantic_gap})")
+        if not isinstance(gap_p, (int, float)):
+            # Scored before the permutation test existed: the gap alone, as it was judged then.
+            if gap > t.sampled_regression_semantic_gap:
+                regression.append(f"{text} (gap {gap:.2f} > {t.sampled_regression_semantic_gap})")
+            elif gap > t.sampled_benign_semantic_gap:
+                not_benign.append(f"{text} (gap {gap:.2f} > {t.sampled_benign_semantic_gap})")
+        # As the logprob shift: a gap counts only when it is large *and* beyond what the same
+        # distribution's samples show, split at random. A golden whose few samples happen to say
+        # one thing ("Rome." four times) reads a large gap against any other draw of the same
+        # model; the split test sees that its samples are no more alike than the two sides are.
+        elif gap > t.sampled_regression_semantic_gap and gap_p < t.sampled_alpha:
+            regression.append(f"{text} (gap {gap:.2f} > {t.sampled_regression_semantic_gap}, "
+                              f"permutation p = {gap_p:.2g} < {t.sampled_alpha})")
+        elif gap > t.sampled_benign_semantic_gap and gap_p < t.sampled_drift_alpha:
+            not_benign.append(f"{text} (gap {gap:.2f} > {t.sampled_benign_semantic_gap}, "
+                              f"permutation p = {gap_p:.2g} < {t.sampled_drift_alpha})")
     return regression, not_benign
 
 
@@ -240,18 +258,65 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
         "sample_likely_share": likely,
         "sample_scored_by": "golden" if by_golden else "candidate",
         "sample_semantic_golden": None, "sample_semantic_cross": None, "sample_semantic_gap": None,
+        "sample_semantic_p": None,
     }
     if similarity is not None:
-        g = [p.golden.text for p in group]
-        c = [p.candidate.text for p in group]
-        within = [_Texts(g[i], g[j]) for i in range(len(g)) for j in range(i + 1, len(g))]
-        cross = [_Texts(a, b) for a in g for b in c]
-        sims = [v.get("semantic_similarity") for v in similarity(within + cross)]
-        w, x = sims[: len(within)], sims[len(within):]
-        if w and x and all(isinstance(v, float) for v in w + x):
-            gw, gx = float(np.mean(w)), float(np.mean(x))
-            out.update(sample_semantic_golden=gw, sample_semantic_cross=gx, sample_semantic_gap=gw - gx)
+        texts = [p.golden.text for p in group] + [p.candidate.text for p in group]
+        pairs = [(i, j) for i in range(len(texts)) for j in range(i + 1, len(texts))]
+        sims = [v.get("semantic_similarity") for v in similarity([_Texts(texts[i], texts[j]) for i, j in pairs])]
+        if len(group) >= 2 and all(isinstance(v, float) for v in sims):
+            matrix = np.eye(len(texts))
+            for (i, j), v in zip(pairs, sims):
+                matrix[i, j] = matrix[j, i] = v
+            golden = np.arange(len(texts)) < len(group)
+            gw, gx, _ = _gap(matrix, golden)
+            out.update(sample_semantic_golden=gw, sample_semantic_cross=gx, sample_semantic_gap=gw - gx,
+                       sample_semantic_p=semantic_gap_p(matrix, len(group)))
     return out
+
+
+_EXACT_SPLITS = 20_000
+"""Up to this many splits of the 2N samples the permutation test counts them all (N = 8: 12,870);
+beyond, that many drawn at random with a fixed seed (the same scores give the same p)."""
+
+
+def _gap(matrix: np.ndarray, golden: np.ndarray) -> tuple[float, float, float]:
+    """(mean cosine within the ``golden`` group, mean across the groups, their difference)."""
+    inside = matrix[np.ix_(golden, golden)]
+    n = int(golden.sum())
+    within = (inside.sum() - np.trace(inside)) / (n * (n - 1))
+    cross = float(matrix[np.ix_(golden, ~golden)].mean())
+    return float(within), cross, float(within) - cross
+
+
+def semantic_gap_p(matrix: np.ndarray, n: int) -> float:
+    """Permutation p-value of the semantic gap: ``matrix`` holds the pairwise cosines of the 2n
+    samples, the golden's first. Under no change the two sides' samples are one distribution's,
+    so any n of them are as good a "golden" as the golden's own: p is the share of the splits
+    (the observed one among them) whose gap is at least the observed gap."""
+    from itertools import combinations
+    from math import comb
+
+    size = 2 * n
+    if comb(size, n) <= _EXACT_SPLITS:
+        splits = np.zeros((comb(size, n), size), dtype=bool)
+        for row, chosen in enumerate(combinations(range(size), n)):
+            splits[row, list(chosen)] = True
+    else:
+        rng = np.random.default_rng(0)
+        splits = np.zeros((_EXACT_SPLITS, size), dtype=bool)
+        for row in range(_EXACT_SPLITS - 1):
+            splits[row, rng.choice(size, n, replace=False)] = True
+        splits[-1, :n] = True  # the observed split counts among them
+    weights = splits.astype(np.float64)
+    off_diagonal = matrix - np.diag(np.diag(matrix))
+    within = np.einsum("ki,ij,kj->k", weights, off_diagonal, weights) / (n * (n - 1))
+    cross = np.einsum("ki,ij,kj->k", weights, matrix, 1.0 - weights) / (n * n)
+    gaps = within - cross
+    observed = _gap(matrix, np.arange(size) < n)[2]
+    if not math.isfinite(observed):
+        return math.nan
+    return float(np.mean(gaps >= observed - 1e-12))
 
 
 @metric("sampled", outputs=_OUTPUTS, batched=True, rules=[DISTRIBUTION_RULE],
