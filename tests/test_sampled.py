@@ -246,6 +246,9 @@ def test_the_permutation_test_draws_a_fixed_sample_of_splits_when_there_are_too_
     assert p == semantic_gap_p(apart, n) and 1 / _EXACT_SPLITS <= p < 0.001  # reproducible, and it sees the gap
     shuffled = vectors[rng.permutation(2 * n)]
     assert semantic_gap_p(shuffled @ shuffled.T, n) > 0.01
+    broken = apart.copy()
+    broken[n + 1, n + 2] = broken[n + 2, n + 1] = np.nan  # a similarity the embedder could not give
+    assert np.isnan(semantic_gap_p(broken, n))  # no p from it (the gap's NaN stops the scoring: exit 3)
 
 
 # ---------------------------------------------------------------- real engine

@@ -41,6 +41,7 @@ into one row per prompt; that, and the classes these measures lead to, is
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -109,7 +110,7 @@ _OUTPUTS = [
            "the same kind of thing", label="semantic gap", format="num", better="lower", headline=25),
     Output("sample_semantic_p", "permutation p-value of the semantic gap: the share of the ways to split both "
            "sides' samples into two groups of N whose gap is at least the observed one",
-           label="gap p", format="num", nonfinite="regression"),
+           label="gap p", format="num"),
 ]
 _NAMES = [o.name for o in _OUTPUTS]
 GROUP_VALUES = tuple(_NAMES)
@@ -289,33 +290,40 @@ def _gap(matrix: np.ndarray, golden: np.ndarray) -> tuple[float, float, float]:
     return float(within), cross, float(within) - cross
 
 
-def semantic_gap_p(matrix: np.ndarray, n: int) -> float:
-    """Permutation p-value of the semantic gap: ``matrix`` holds the pairwise cosines of the 2n
-    samples, the golden's first. Under no change the two sides' samples are one distribution's,
-    so any n of them are as good a "golden" as the golden's own: p is the share of the splits
-    (the observed one among them) whose gap is at least the observed gap."""
+@functools.lru_cache(maxsize=8)
+def _splits(n: int) -> np.ndarray:
+    """Every way to pick n of 2n samples as one group (as 0/1 rows), or :data:`_EXACT_SPLITS` of
+    them drawn with a fixed seed, the first n (the observed split) among them."""
     from itertools import combinations
     from math import comb
 
     size = 2 * n
     if comb(size, n) <= _EXACT_SPLITS:
-        splits = np.zeros((comb(size, n), size), dtype=bool)
+        splits = np.zeros((comb(size, n), size))
         for row, chosen in enumerate(combinations(range(size), n)):
-            splits[row, list(chosen)] = True
-    else:
-        rng = np.random.default_rng(0)
-        splits = np.zeros((_EXACT_SPLITS, size), dtype=bool)
-        for row in range(_EXACT_SPLITS - 1):
-            splits[row, rng.choice(size, n, replace=False)] = True
-        splits[-1, :n] = True  # the observed split counts among them
-    weights = splits.astype(np.float64)
+            splits[row, list(chosen)] = 1.0
+        return splits
+    order = np.random.default_rng(0).random((_EXACT_SPLITS, size)).argsort(axis=1)[:, :n]
+    splits = np.zeros((_EXACT_SPLITS, size))
+    np.put_along_axis(splits, order, 1.0, axis=1)
+    splits[-1] = np.arange(size) < n
+    return splits
+
+
+def semantic_gap_p(matrix: np.ndarray, n: int) -> float:
+    """Permutation p-value of the semantic gap: ``matrix`` holds the pairwise cosines of the 2n
+    samples, the golden's first. Under no change the two sides' samples are one distribution's,
+    so any n of them are as good a "golden" as the golden's own: p is the share of the splits
+    (the observed one among them) whose gap is at least the observed gap."""
+    if not np.isfinite(matrix).all():
+        return math.nan  # a broken similarity (the embedder's, not the candidate's): no p from it
+    size = 2 * n
+    weights = _splits(n)
     off_diagonal = matrix - np.diag(np.diag(matrix))
     within = np.einsum("ki,ij,kj->k", weights, off_diagonal, weights) / (n * (n - 1))
     cross = np.einsum("ki,ij,kj->k", weights, matrix, 1.0 - weights) / (n * n)
     gaps = within - cross
     observed = _gap(matrix, np.arange(size) < n)[2]
-    if not math.isfinite(observed):
-        return math.nan
     return float(np.mean(gaps >= observed - 1e-12))
 
 
