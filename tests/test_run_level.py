@@ -155,14 +155,14 @@ def test_severity_decides_what_is_severe() -> None:
     # A sampled prompt whose four samples mean something else (the demo's 'next' on the capital of
     # Italy: 'Rome.' four times against four phrasings) is a rule of degree, not a category: the
     # sampled prompts' run-level test judges it, it does not gate alone. Four samples a side
-    # cannot put the gap beyond chance (1 split in 70 at best): drift. Scores written before the
-    # permutation test (no p) keep the gap alone's regression.
+    # cannot put the gap beyond chance (1 split in 70 at best): drift. A gap without its p (which
+    # the metric always gives with it) is no finding at all: never a regression on size alone.
     from regress.metrics.sampled import DISTRIBUTION_RULE
 
     sampled = {"samples": 4, "tf_kl_mean": 0.0, "tf_positions": 0, "sample_semantic_gap": 0.35,
                "sample_semantic_candidate": 0.65, "sample_semantic_golden": 0.99, "sample_logprob_shift": -0.9,
                "sample_logprob_p": 0.12}
-    assert DISTRIBUTION_RULE.check(sampled, T)[0], "without a p the rule calls it a regression"
+    assert DISTRIBUTION_RULE.check(sampled, T) == ([], []), "a gap is never judged on its size alone"
     assert not DISTRIBUTION_RULE.categorical and not severe(sampled, T)
     regression, drift = DISTRIBUTION_RULE.check({**sampled, "sample_semantic_p": 1 / 70}, T)
     assert not regression and drift and "permutation p = 0.014" in drift[0]

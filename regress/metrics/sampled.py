@@ -132,21 +132,15 @@ def _distribution(values: Mapping[str, Any], t: Any) -> Findings:
         elif size > t.sampled_benign_shift and p < t.sampled_drift_alpha:
             not_benign.append(f"{text}: beyond {t.sampled_benign_shift} at p < {t.sampled_drift_alpha}")
     gap, gap_p = values.get("sample_semantic_gap"), values.get("sample_semantic_p")
-    if isinstance(gap, (int, float)):
+    if isinstance(gap, (int, float)) and isinstance(gap_p, (int, float)):  # given together (group_values)
         text = (f"candidate samples mean something else: golden-candidate cosine "
                 f"{values.get('sample_semantic_cross', float('nan')):.2f} against golden-golden "
                 f"{values.get('sample_semantic_golden', float('nan')):.2f}")
-        if not isinstance(gap_p, (int, float)):
-            # Scored before the permutation test existed: the gap alone, as it was judged then.
-            if gap > t.sampled_regression_semantic_gap:
-                regression.append(f"{text} (gap {gap:.2f} > {t.sampled_regression_semantic_gap})")
-            elif gap > t.sampled_benign_semantic_gap:
-                not_benign.append(f"{text} (gap {gap:.2f} > {t.sampled_benign_semantic_gap})")
         # As the logprob shift: a gap counts only when it is large *and* beyond what the same
         # distribution's samples show, split at random. A golden whose few samples happen to say
         # one thing ("Rome." four times) reads a large gap against any other draw of the same
         # model; the split test sees that its samples are no more alike than the two sides are.
-        elif gap > t.sampled_regression_semantic_gap and gap_p < t.sampled_alpha:
+        if gap > t.sampled_regression_semantic_gap and gap_p < t.sampled_alpha:
             regression.append(f"{text} (gap {gap:.2f} > {t.sampled_regression_semantic_gap}, "
                               f"permutation p = {gap_p:.2g} < {t.sampled_alpha})")
         elif gap > t.sampled_benign_semantic_gap and gap_p < t.sampled_drift_alpha:
@@ -269,8 +263,8 @@ def group_values(group: list[Pair], similarity: Any) -> Values:
             matrix = np.eye(len(texts))
             for (i, j), v in zip(pairs, sims):
                 matrix[i, j] = matrix[j, i] = v
-            golden = np.arange(len(texts)) < len(group)
-            gw, gx, _ = _gap(matrix, golden)
+            within, cross = _within_cross(matrix, _observed(len(group)), len(group))
+            gw, gx = float(within[0]), float(cross[0])
             out.update(sample_semantic_golden=gw, sample_semantic_cross=gx, sample_semantic_gap=gw - gx,
                        sample_semantic_p=semantic_gap_p(matrix, len(group)))
     return out
@@ -281,13 +275,18 @@ _EXACT_SPLITS = 20_000
 beyond, that many drawn at random with a fixed seed (the same scores give the same p)."""
 
 
-def _gap(matrix: np.ndarray, golden: np.ndarray) -> tuple[float, float, float]:
-    """(mean cosine within the ``golden`` group, mean across the groups, their difference)."""
-    inside = matrix[np.ix_(golden, golden)]
-    n = int(golden.sum())
-    within = (inside.sum() - np.trace(inside)) / (n * (n - 1))
-    cross = float(matrix[np.ix_(golden, ~golden)].mean())
-    return float(within), cross, float(within) - cross
+def _observed(n: int) -> np.ndarray:
+    """The split the scores hold: the golden's n samples (first) against the candidate's."""
+    return (np.arange(2 * n) < n)[None, :].astype(np.float64)
+
+
+def _within_cross(matrix: np.ndarray, splits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per split (0/1 rows of 2n, n ones): the mean cosine between two samples of the chosen
+    group, and between a chosen sample and one of the rest."""
+    off_diagonal = matrix - np.diag(np.diag(matrix))
+    within = np.einsum("ki,ij,kj->k", splits, off_diagonal, splits) / (n * (n - 1))
+    cross = np.einsum("ki,ij,kj->k", splits, matrix, 1.0 - splits) / (n * n)
+    return within, cross
 
 
 @functools.lru_cache(maxsize=8)
@@ -306,7 +305,7 @@ def _splits(n: int) -> np.ndarray:
     order = np.random.default_rng(0).random((_EXACT_SPLITS, size)).argsort(axis=1)[:, :n]
     splits = np.zeros((_EXACT_SPLITS, size))
     np.put_along_axis(splits, order, 1.0, axis=1)
-    splits[-1] = np.arange(size) < n
+    splits[-1] = _observed(n)[0]
     return splits
 
 
@@ -317,13 +316,9 @@ def semantic_gap_p(matrix: np.ndarray, n: int) -> float:
     (the observed one among them) whose gap is at least the observed gap."""
     if not np.isfinite(matrix).all():
         return math.nan  # a broken similarity (the embedder's, not the candidate's): no p from it
-    size = 2 * n
-    weights = _splits(n)
-    off_diagonal = matrix - np.diag(np.diag(matrix))
-    within = np.einsum("ki,ij,kj->k", weights, off_diagonal, weights) / (n * (n - 1))
-    cross = np.einsum("ki,ij,kj->k", weights, matrix, 1.0 - weights) / (n * n)
-    gaps = within - cross
-    observed = _gap(matrix, np.arange(size) < n)[2]
+    within, cross = _within_cross(matrix, _splits(n), n)
+    observed_within, observed_cross = _within_cross(matrix, _observed(n), n)
+    gaps, observed = within - cross, float(observed_within[0] - observed_cross[0])
     return float(np.mean(gaps >= observed - 1e-12))
 
 

@@ -139,7 +139,8 @@ def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: li
     if klass == "benign":
         reasons = [f"{n} samples each, same distribution by every measure: logprob per token "
                    f"{_signed(row.get('sample_logprob_shift'))} nat (p = {_num(row.get('sample_logprob_p'))}), "
-                   f"semantic gap {_num(row.get('sample_semantic_gap'))} (p = {_num(row.get('sample_semantic_p'))}), distinct outputs "
+                   f"semantic gap {_num(row.get('sample_semantic_gap'))} (p = {_num(row.get('sample_semantic_p'))}), "
+                   f"distinct outputs "
                    f"{row.get('distinct_golden')} golden / {row.get('distinct_candidate')} candidate"]
     return klass, reasons, answer
 

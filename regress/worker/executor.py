@@ -273,7 +273,7 @@ class CeleryExecutor:
         if reused:  # as a local run's "reused": shards run on an engine an earlier shard had used
             facts["reused_shards"] = {"count": len(reused), "cache_not_cleared": sorted(
                 int(r["index"]) for r in reused if not r["cache_cleared"])}
-        elif "reused_shards" in saved:
+        elif not replies and "reused_shards" in saved:  # as for the workers: nothing new to say
             facts["reused_shards"] = saved["reused_shards"]
         atomic_write_text(info_file, json.dumps(facts, default=str))
         # Folded into engine-info.json: the finished run keeps the summary only.
