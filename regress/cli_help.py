@@ -5,6 +5,10 @@ every flag (a flag takes no value), ``<list[Path]>``, ``<int range> [x>=1]``. Us
 something to type. :func:`install` replaces that column with what the command line takes: nothing
 for a flag, ``PATH``, ``INT``, ``TEXT...`` for a repeatable value, ``[a|b]`` for a choice, and a
 range in words (``INT, at least 1``). Only the help text changes; parsing is Typer's.
+
+In its "rich" markup mode Typer also keeps a docstring's single line breaks in the command list
+of a group's help, so a summary wrapped at 100 columns in the source came out as ragged lines
+between the panel's borders; :func:`install` joins them (paragraphs stay paragraphs).
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ def install() -> None:
         shown = argument_type(self, ctx)
         return None if shown is None else _shown(shown.removesuffix("..."))
 
+    command_help = rich_utils._make_command_help
+
+    def reflowed_command_help(*, help_text: str, markup_mode: Any) -> Any:
+        first, _, rest = help_text.strip().partition("\n\n")
+        if not first.startswith("\b"):  # Click's "do not rewrap" marker keeps its line breaks
+            first = " ".join(first.split())
+        return command_help(help_text=first + ("\n\n" + rest if rest else ""), markup_mode=markup_mode)
+
+    rich_utils._make_command_help = reflowed_command_help
     core.TyperOption.display_type_rich = option_display
     core.TyperArgument.display_type_rich = argument_display
     for cls in (core.TyperOption, core.TyperArgument):

@@ -68,3 +68,15 @@ def test_junit_failures_become_escaped_annotations(tmp_path):
     lines = junit_annotations(junit)
     assert lines == ["::error title=regression%3A regress.c / p%2C1%3Ax::line one%0A::set-env name=X::1 100%25"]
     assert all("\n" not in line for line in lines)
+
+
+@pytest.mark.parametrize("group", [[], ["env"]])
+def test_command_lists_reflow_their_summaries(group):
+    """A command's summary is one paragraph in the list, not the docstring's source lines: on a
+    wide terminal each command takes one line of the Commands panel."""
+    result = run_cli(*group, "--help", env={"COLUMNS": "2000", "TERM": "dumb"})
+    assert result.returncode == 0
+    panel = result.stdout.split("Commands")[1].split("╰")[0].splitlines()[1:]
+    rows = [line.strip("│ ").rstrip() for line in panel if line.strip("│ ")]
+    continued = [line for line in panel if line.startswith("│ ") and line[2:3] == " " and line.strip("│ ")]
+    assert rows and not continued, continued
