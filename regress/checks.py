@@ -147,6 +147,7 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     loaded already by the caller (a check), else read here. ``whole``: the run must hold every
     prompt of the golden (False for a try, which runs part of the prompt set)."""
     from regress.datasets import load_prompt_set
+    from regress.errors import ConfigError
     from regress.home import regress_home
     from regress.noise.floor import load_floor
     from regress.progress import stderr_console
@@ -158,6 +159,10 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     golden_run = golden if golden is not None else load_run(golden_dir or params.golden_dir())
     run = load_run(run_dir or params.run_dir(spec.name))
+    if run.manifest.candidate.name != spec.name:  # `--run` naming another candidate's run
+        raise ConfigError(f"{run.path} is a run of candidate '{run.manifest.candidate.name}', not of '{spec.name}': "
+                          f"scores and the gate are filed under the candidate's name, so score it as "
+                          f"'{run.manifest.candidate.name}' or replay '{spec.name}'")
     if whole:
         from regress.run_pairs import check_same_entries
 
@@ -167,6 +172,11 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
         noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
     if prompt_set is None:
         prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
+    if prompt_set is not None and prompt_set.sha256 != golden_run.manifest.dataset.sha256:
+        # Its expected answers and tags are scored: an edit since the golden would change the verdict.
+        raise ConfigError(
+            f"the prompt set {prompt_set.path} changed since the golden {golden_run.path} was made "
+            f"(sha256 {prompt_set.sha256[:12]} vs {golden_run.manifest.dataset.sha256[:12]}); re-run `regress golden`")
     tags = {pr.id: pr.tags for pr in prompt_set.prompts} if prompt_set else {}
     with phase("scoring", f"candidate '{spec.name}'"), stderr_console.status(f"scoring '{spec.name}' against the golden"):
         metrics = build_metrics(thresholds, cache_dir=regress_home() / "cache")

@@ -11,6 +11,7 @@ from regress.cli_guard import writing_project
 from regress.cli_options import ParamsOption
 from regress.cli_output import out as _out, workflow_command
 from regress.errors import EXIT_REGRESSION
+from regress.progress import warn
 
 
 def report(
@@ -24,6 +25,7 @@ def report(
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.diagnosis.record import load_diagnosis
+    from regress.errors import StorageError
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
     from regress.scoring import SCORES_FILE, read_scored_run
@@ -42,6 +44,11 @@ def report(
         for name in names:
             scores = read_scored_run(scores_dir / name)
             run = load_run(p.run_dir(name))
+            for what, scored_id, now in (("run", scores.run.run_id, run), ("golden", scores.golden.run_id, golden_run)):
+                if scored_id != now.manifest.run_id:  # the page would show new outputs under old classes
+                    raise StorageError(f"{scores_dir / name / SCORES_FILE}: field '{what}.run_id' is {scored_id}, but "
+                                       f"{now.path} holds run {now.manifest.run_id}: the scoring is of outputs "
+                                       f"that were replaced; run `regress score {name}`")
             page = write_candidate_report(scores, golden_run, run, prompt_set, reports_dir / name,
                                           diagnosis=load_diagnosis(scores_dir / name, run.manifest.run_id))
             _out(f"report: {page}")
@@ -86,7 +93,7 @@ def gate(
             m = RunMetrics.model_validate_json(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StorageError(f"{path}: cannot read the candidate's metrics ({exc})") from exc
-        check_metrics(path, m, params=p, candidate=name)  # a pass its own counts contradict is refused
+        scored_run = check_metrics(path, m, params=p, candidate=name)  # a pass its own counts contradict is refused
         if m.gating_failed:
             failed.append(name)
         latency = ""
@@ -99,10 +106,17 @@ def gate(
              f"regression, {m.drift} drift, {m.benign} benign, {m.identical} identical of {m.prompts}{latency}")
         junit = p.reports_dir() / name / "junit.xml"
         if annotate and junit.is_file():
+            from regress.report import check_report
             from regress.report.annotations import junit_annotations
 
-            for line in junit_annotations(junit, project=p.root):
-                workflow_command(line)
+            try:  # annotations from an older scoring's junit.xml would contradict the line above
+                if scored_run is not None:
+                    check_report(scored_run, p.reports_dir() / name)
+            except StorageError as exc:
+                warn(f"no annotations for '{name}': {exc}")
+            else:
+                for line in junit_annotations(junit, project=p.root):
+                    workflow_command(line)
     _out(f"{len(names) - len(failed)} of {len(names)} candidates pass" + (f"; failing: {', '.join(failed)}" if failed else ""))
     if failed and fail:
         raise typer.Exit(EXIT_REGRESSION)

@@ -123,20 +123,32 @@ class _Limits:
             self.max_regressions = 0
 
 
-def check_metrics(path: Path, m: Any, *, params: Any = None, candidate: str | None = None) -> None:
+def check_metrics(path: Path, m: Any, *, params: Any = None, candidate: str | None = None) -> Any:
     """Refuse (StorageError, exit 2) a ``metrics.json`` at ``path`` (parsed: ``m``) that is out of range,
     inconsistent, not the aggregates of the ``scores.json`` beside it, or whose ``pass`` its counts and
-    thresholds contradict. ``params``: the loaded params.yaml, for thresholds when no scores.json is there."""
+    thresholds contradict, or whose scores.json is of a run the project no longer holds (``runs/<candidate>``
+    or the golden replaced since). ``params``: the loaded params.yaml, for thresholds when no scores.json
+    is there. Returns the scores.json beside it, parsed (None when there is none)."""
     from regress.records import ScoredRun
 
     check_values(path, m)
+    if candidate is not None and m.candidate != candidate:  # another candidate's scoring copied or scored here
+        raise _bad(path, "candidate", f"is {m.candidate!r}, but the file is {candidate!r}'s: run `regress score {candidate}`")
+    if candidate is not None and params is not None:
+        _check_gate(path, m, params, candidate)
     scores_path = path.parent / "scores.json"
     allow: bool | None = None
+    scored = None
     if scores_path.is_file():
         try:
             scored = ScoredRun.model_validate_json(scores_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StorageError(f"{scores_path}: cannot read the scoring beside {path.name} ({exc})") from exc
+        if candidate is not None and scored.run.candidate.name != candidate:
+            raise _bad(scores_path, "run.candidate.name", f"is {scored.run.candidate.name!r}, but the file is "
+                                                          f"{candidate!r}'s: run `regress score {candidate}`")
+        if candidate is not None and params is not None:
+            _check_current(scores_path, scored, params, candidate)
         mine, theirs = m.model_dump(mode="json"), scored.metrics.model_dump(mode="json")
         for name in type(m).model_fields:
             if mine.get(name) != theirs.get(name):
@@ -158,11 +170,44 @@ def check_metrics(path: Path, m: Any, *, params: Any = None, candidate: str | No
             allow = getattr(spec, "allow_input_drift", None) if spec is not None else None
         source = "the thresholds of params.yaml (no scores.json beside it)"
     if t is None:
-        return
+        return scored
     why = contradiction(m, t, allow)
     if why:
         raise StorageError(f"{path}: field 'verdict' says pass, but its counts and {source} say fail: {why}; "
                            "the file was edited or is of another scoring: run `regress score` again")
+    return scored
+
+
+def _check_current(scores_path: Path, scored: Any, params: Any, candidate: str) -> None:
+    """A scoring is of the runs it names: when the project's ``runs/<candidate>`` or golden now
+    holds another run (replayed again, a new golden), the stored verdict is of outputs that are
+    gone and must not gate."""
+    from regress.runs import MANIFEST, read_manifest
+
+    dirs = [("run", getattr(params, "run_dir", None), scored.run.run_id),
+            ("golden", getattr(params, "golden_dir", None), scored.golden.run_id)]
+    for what, where, scored_id in dirs:
+        if where is None:
+            continue
+        directory = where(candidate) if what == "run" else where()
+        if not (Path(directory) / MANIFEST).is_file():
+            continue  # scores gated where the runs are not (a CI job that fetched scores/ only)
+        now = read_manifest(directory).run_id
+        if now != scored_id:
+            raise StorageError(f"{scores_path}: field '{what}.run_id' is {scored_id}, but {directory} now holds run "
+                               f"{now}: the scoring is of outputs that were replaced; run `regress score {candidate}`")
+
+
+def _check_gate(path: Path, m: Any, params: Any, candidate: str) -> None:
+    """The gate metrics.json records must be the one params.yaml sets for the candidate now: a
+    candidate moved to ``gate: quality`` is not passed on its fidelity verdict (or the reverse).
+    ``auto`` resolves against the golden's baseline at scoring time, so only a gate set by name
+    is compared here."""
+    spec = params.candidates.get(candidate) if isinstance(getattr(params, "candidates", None), dict) else None
+    wanted = getattr(spec, "gate", "auto")
+    if wanted in ("fidelity", "quality") and m.gate != wanted:
+        raise StorageError(f"{path}: field 'gate' is {m.gate!r}, but params.yaml gates '{candidate}' on {wanted!r}: "
+                           f"the scoring is older than that change; run `regress score {candidate}`")
 
 
 def _params_thresholds(params: Any) -> Any:

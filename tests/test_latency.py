@@ -329,7 +329,7 @@ def test_regress_gate_fails_on_latency_only_when_it_gates(base: Case, tmp_path: 
     from conftest import run_cli
 
     metrics = base.score.metrics.model_copy(update={
-        "verdict": "pass", "latency_verdict": "fail", "latency_gates": gates,
+        "candidate": "c", "verdict": "pass", "latency_verdict": "fail", "latency_gates": gates,
         "latency_reasons": ["p95 time to first token 1.50x the golden's > 1.2x"]})
     (tmp_path / "scores" / "c").mkdir(parents=True)
     (tmp_path / "scores" / "c" / "metrics.json").write_text(metrics.model_dump_json())

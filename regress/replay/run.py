@@ -15,8 +15,8 @@ from regress.records import CandidateSpec, RunManifest
 from regress.replay.executors import Executor, LocalExecutor
 from regress.replay.manifest import build_manifest
 from regress.replay.plan import ReplayPlan, plan_golden_scoring, plan_replay
-from regress.replay.rundir import (finish, partial_dir, prepare_partial, prompts_done, recover, shard_is_done,
-                                   shard_metas, up_to_date_run)
+from regress.replay.rundir import (finish, partial_dir, prepare_partial, prompts_done, recover, run_target,
+                                   shard_is_done, shard_metas, up_to_date_run)
 from regress.replay.sink import ProgressSink, SilentProgress
 from regress.runs import GOLDEN_SCORED_DIR, RunResult, write_manifest
 
@@ -62,7 +62,7 @@ def replay(
 
     if golden_scoring not in GOLDEN_SCORING_MODES:
         raise ValueError(f"golden_scoring {golden_scoring!r}: one of {', '.join(GOLDEN_SCORING_MODES)}")
-    out_dir = Path(out_dir)
+    out_dir = run_target(Path(out_dir))  # before any engine starts
     progress = progress or SilentProgress()
     executor = executor or LocalExecutor()
     plan = plan_replay(candidate, prompt_set, golden=golden, shard_size=shard_size, teacher_force=teacher_force,
@@ -140,6 +140,7 @@ def execute_plan(plan: ReplayPlan, out_dir: Path, *, executor: Executor, progres
                  force: bool = False) -> RunManifest:
     """Run a plan's shards that are not done into ``out_dir`` and put the run in place."""
     started = time.monotonic()
+    out_dir = run_target(out_dir)
     # An earlier command may have died in the middle of putting its run in place: finish its
     # swap first, so that a complete run is never mistaken for a stale .partial.
     recover(out_dir)

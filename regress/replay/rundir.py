@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from regress.errors import StorageError
+from regress.errors import InputError, StorageError
 from regress.records import RunManifest
 from regress.replay.plan import ReplayPlan, ShardTask
 from regress.runs import MANIFEST, read_manifest, shard_file
@@ -117,10 +117,42 @@ def recover(out_dir: Path) -> None:
         _remove_set_aside(out_dir)  # step 4
 
 
+def run_target(out_dir: Path) -> Path:
+    """Where a run into ``out_dir`` is put, refusing a directory that is not a run.
+
+    :func:`finish` replaces the run directory whole, so a directory that holds something else
+    (a typo'd ``--out``, ``paths.golden`` naming the prompt set's folder) would be emptied: it is
+    refused, exit 2, before anything runs. An empty directory or one holding a run manifest
+    (complete or damaged) is a run's place. A link to a run directory stays a link: the run is
+    built and swapped beside its target, so a golden shared through a link stays shared."""
+    if out_dir.is_symlink():
+        target = out_dir.resolve()
+        if target.exists() and not target.is_dir():
+            raise InputError(f"{out_dir}: a link to {target}, which is not a directory; a run needs a directory of its own")
+        out_dir = target
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir}: a file, not a run directory; choose another output directory")
+    if out_dir.is_dir() and not (out_dir / MANIFEST).exists():
+        try:
+            held = sorted(entry.name for entry in out_dir.iterdir())
+        except OSError as exc:
+            raise InputError(f"{out_dir}: cannot be read ({exc.strerror}); choose another output directory") from exc
+        if held:
+            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise InputError(
+                f"{out_dir}: holds {shown} but no {MANIFEST}, so it is not a regress run; a run replaces its "
+                "directory whole, and regress removes nothing it did not write: choose an empty or new "
+                "directory (--out, or params' paths)")
+    return out_dir
+
+
 def _remove_set_aside(out_dir: Path) -> None:
     leftovers = _set_aside(out_dir)
     for old in leftovers:
-        shutil.rmtree(old)
+        if old.is_symlink():  # a link set aside by an earlier release: the link goes, its target stays
+            old.unlink()
+        else:
+            shutil.rmtree(old)
     if leftovers:
         fsync_dir(out_dir.parent)
 
