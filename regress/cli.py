@@ -20,7 +20,7 @@ from regress.cli_guard import writing_project
 from regress.cli_options import (ExecutorOption, GoldenScoring, GoldenScoringOption, ParamsOption, QueueOption,
                                  QuickPromptsOption)
 from regress.cli_output import out as _out, print_diagnosis, print_noise_floor, print_scores, summarise_run
-from regress.errors import EXIT_INPUT, EXIT_REGRESSION, ConfigError
+from regress.errors import EXIT_INPUT, EXIT_REGRESSION, ConfigError, InputError
 from regress.progress import print_error, stderr_console
 
 app = typer.Typer(
@@ -82,13 +82,16 @@ def init(
 
     if model is None and url is None:
         raise ConfigError("pass --model DIR (your model's directory) or --url URL (a running server)", field="--model")
-    directory.mkdir(parents=True, exist_ok=True)
-    if url is not None:
+    if url is not None:  # built (model, server checked) before anything is made on disk
         scaffold = server_scaffold(directory, url, model=model, tokenizer=tokenizer, api_key_env=api_key_env,
                                    candidate_url=candidate_url)
     else:
         scaffold = model_scaffold(directory, Path(model))
-    for path in write_scaffold(directory, scaffold, force=force):
+    try:
+        written = write_scaffold(directory, scaffold, force=force)
+    except OSError as exc:  # the directory is a file or under one, no permission
+        raise InputError(f"{directory}: cannot write the project there ({exc.strerror or exc})") from exc
+    for path in written:
         _out(f"wrote {path}")
     said = dvc_init(directory)
     if said:
@@ -558,7 +561,6 @@ def demo_prompts(
     """Write a prompt set shipped with regress: the demo set (questions with checkable answers,
     multi-turn chats, code, Chinese, format instructions, long context) or the fixture model's set."""
     from regress.datasets import DEMO_PROMPTS, FIXTURE_PROMPTS, write_demo_prompts
-    from regress.errors import InputError
 
     sets = {"demo": DEMO_PROMPTS, "fixture": FIXTURE_PROMPTS}
     if which not in sets:

@@ -418,6 +418,68 @@ def _all_candidates(raw: dict[str, Any], path: Path, lines: dict[str, int]
     return baseline, candidates, problems
 
 
+def _inside(inner: Path, outer: Path) -> bool:
+    """``inner`` is ``outer`` or below it (both resolved)."""
+    return inner == outer or outer in inner.parents
+
+
+def _paths_problems(parsed: _ParamsFile, path: Path, lines: dict[str, int]) -> list[ConfigError]:
+    """What ``paths`` may not hold. Regress replaces its directories wholesale (the golden,
+    ``runs/<name>``, ``scores/<name>``, ``reports/<name>``, ``power/<step>``: moved aside and
+    deleted, a new one put in place), so none may be empty or the project directory (or above
+    it), hold the prompt set, or be another of them or nested in one."""
+    root = path.parent.resolve()
+    written = {name: f"paths.{name}" in lines for name in Paths.model_fields}
+
+    def problem(name: str, message: str) -> ConfigError:
+        dotted = f"paths.{name}"
+        return ConfigError(message, file=path, line=line_for(lines, dotted), field=dotted)
+
+    problems: list[ConfigError] = []
+    resolved: dict[str, Path] = {}
+    for name in Paths.model_fields:
+        value = getattr(parsed.paths, name)
+        if not value.strip():
+            problems.append(problem(name, f"must not be empty: it names the {name} directory (default "
+                                          f"'{Paths.model_fields[name].default}')"))
+            continue
+        where = (root / value).resolve()
+        if _inside(root, where):
+            problems.append(problem(name, f"'{value}' is the project directory{' or above it' if where != root else ''}"
+                                          f" ({where}): regress replaces the {name} directory wholesale, so it must "
+                                          "be a directory of its own (e.g. the default "
+                                          f"'{Paths.model_fields[name].default}')"))
+            continue
+        resolved[name] = where
+    names = list(resolved)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            a, b = resolved[first], resolved[second]
+            if not (_inside(a, b) or _inside(b, a)):
+                continue
+            # Said at the one the user wrote (the later in the file when both are).
+            later = second if lines.get(f"paths.{second}", 0) >= lines.get(f"paths.{first}", 0) else first
+            at = later if written[first] == written[second] else (first if written[first] else second)
+            other = second if at == first else first
+            relation = ("is the same directory as" if a == b else
+                        "is inside" if _inside(resolved[at], resolved[other]) else "holds")
+            problems.append(problem(at, f"'{getattr(parsed.paths, at)}' {relation} paths.{other} "
+                                        f"('{getattr(parsed.paths, other)}'): each output needs a directory of its "
+                                        "own, as regress replaces them wholesale"))
+    dataset = (root / parsed.dataset).resolve() if parsed.dataset.strip() else None
+    for name, where in resolved.items():
+        if dataset is None or not _inside(dataset, where):
+            continue
+        message = (f"the prompt set {parsed.dataset} is inside paths.{name} ('{getattr(parsed.paths, name)}'), where "
+                   "regress replaces directories wholesale and would delete it: keep the prompt set (and its card) "
+                   "outside the output directories")
+        if written[name]:
+            problems.append(problem(name, message))
+        else:
+            problems.append(ConfigError(message, file=path, line=line_for(lines, "dataset"), field="dataset"))
+    return problems
+
+
 def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
     """Load and validate params.yaml, all of it: every problem raises at once (with its line)."""
     path = Path(path)
@@ -454,6 +516,8 @@ def load_params(path: str | Path = DEFAULT_PARAMS) -> Params:
                      for where, message in all_errors(exc, _ParamsFile)]
     baseline, candidates, found = _all_candidates(raw, path, lines)
     problems += found
+    if parsed is not None:
+        problems += _paths_problems(parsed, path, lines)
     # Infinities, NaN and lone surrogates anywhere: said once per field, instead of the schema's words.
     values = value_problems(raw)
     bad = {where for where, _ in values}

