@@ -75,12 +75,18 @@ def paired_interval(golden: Sequence[float], candidate: Sequence[float],
     n = len(golden)
     diffs = [c - g for g, c in zip(golden, candidate)]
     mean = sum(diffs) / n
-    if not any(diffs):
+    if len(set(diffs)) == 1:
+        # Every prompt moved by the same d (0: none changed): no spread to measure, yet n prompts
+        # are not certainty. A prompt not seen may differ by anything in [-1, 1], and does with
+        # probability at most Wilson's upper bound u of 0 of n: d - u(1 + d) to d + u(1 - d)
+        # (plus or minus u when d = 0). Never a zero-width interval: one gained answer, or every
+        # prompt one sample worse on a handful of prompts, is not a certain pass.
         u = _wilson_high(0, n, confidence)
-        return 0.0, -u, u, (f"no prompt changed its answer: plus or minus the Wilson upper bound of a discordance "
-                            f"of 0 of {n} (scipy.stats.binomtest)")
-    if len(set(diffs)) == 1:  # every prompt moved the same way: no spread, the difference is the interval
-        return mean, mean, mean, "every answered prompt changed the same way"
+        how = ("no prompt changed its answer" if mean == 0 else
+               f"every answered prompt changed by the same {mean:+.3g}")
+        return mean, mean - u * (1 + mean), mean + u * (1 - mean), (
+            f"{how}: the Wilson upper bound of a differing prompt, 0 of {n} (scipy.stats.binomtest), "
+            "times the furthest a prompt's difference could go")
     from scipy.stats import ttest_rel
 
     ci = ttest_rel(list(candidate), list(golden)).confidence_interval(confidence_level=confidence)
@@ -100,10 +106,12 @@ def prompts_needed(golden: Sequence[float], candidate: Sequence[float], theta: f
     mean = sum(diffs) / n
     if theta + mean <= 0:
         return None
-    if not any(diffs):
-        # Wilson's upper bound of 0 of m is z^2 / (m + z^2): below theta from m > z^2 (1 - theta) / theta.
+    if len(set(diffs)) == 1:
+        # paired_interval's bound mean - u(1 + mean) is above -theta when u < r = (theta + mean) / (1 + mean);
+        # Wilson's upper bound of 0 of m is z^2 / (m + z^2): below r from m > z^2 (1 - r) / r.
+        r = (theta + mean) / (1 + mean)
         z2 = _z((1 + confidence) / 2) ** 2
-        return math.floor(z2 * (1 - theta) / theta) + 1
+        return math.floor(z2 * (1 - r) / r) + 1
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 1.0
     z = _z((1 + confidence) / 2) + _z(power)
     return math.ceil((z * sd / (theta + mean)) ** 2)

@@ -61,7 +61,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from regress.errors import ConfigError, MeasureError
 from regress.metrics import registered
 from regress.metrics.spec import Bound, Output, Rule, Setting
-from regress.noise.record import MIN_PROMPTS
 from regress.records import MetricValue, PromptClass
 from regress.validation import first_error
 
@@ -491,7 +490,10 @@ def _basis_notes(noise: "NoiseJudgement | None", regressions: int, t: Any) -> li
     if noise is None:
         return []
     if noise.test is None:
-        return [f"too few prompts pair with the noise floor for a run-level test (at least {MIN_PROMPTS}): the "
+        from regress.noise.record import min_testable
+
+        return [f"too few prompts pair with the noise floor for a run-level test (at least "
+                f"{min_testable(t.noise_alpha)} at alpha {t.noise_alpha:g}): the "
                 "verdict rests on the per-prompt thresholds (widened by the floor)"]
     mild = regressions - len(noise.severe_ids)
     if mild > 0:

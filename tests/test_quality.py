@@ -55,6 +55,32 @@ def test_no_changed_answer_is_plus_minus_the_wilson_bound() -> None:
     assert diff == 0 and low == pytest.approx(-u) and high == pytest.approx(u)
 
 
+@pytest.mark.parametrize("golden, candidate", [
+    ([30 / 32] * 3, [29 / 32] * 3),   # one sample worse on each of 3 sampled prompts
+    ([30 / 32] * 3, [28 / 32] * 3),   # two samples worse on each
+    ([0], [1]),                       # one answered prompt, gained
+    ([1] * 5, [0] * 5),               # five answered prompts, all lost
+])
+def test_every_prompt_moving_alike_is_never_a_certain_interval(golden, candidate) -> None:
+    """No spread is not certainty: a zero-width interval passed a candidate worse on every prompt
+    of a small set (and one gained answer with certainty) while the identical candidate was
+    inconclusive. The interval is as wide as no change on as many prompts would be, about the
+    observed difference."""
+    n = len(golden)
+    diff, low, high, method = paired_interval(golden, candidate, 0.95)
+    u = stats.binomtest(0, n).proportion_ci(0.95, method="wilson").high
+    assert low == pytest.approx(diff - u * (1 + diff)) and high == pytest.approx(diff + u * (1 - diff))
+    assert high - low > u and low < diff < high or diff in (-1, 1)
+    answers = [(f"p{i}", ["all"], g, c) for i, (g, c) in enumerate(zip(golden, candidate))]
+    if all(isinstance(v, int) for v in golden + candidate):
+        assert judge_quality([(a, t, bool(g), bool(c)) for a, t, g, c in answers], T).verdict != "pass"
+    # The same move on many prompts concludes: a loss of 1/32 everywhere is inside a 5-point margin.
+    g_many, c_many = [30 / 32] * 2000, [29 / 32] * 2000
+    _, low_many, _, _ = paired_interval(g_many, c_many, 0.95)
+    assert low_many > -T.quality_theta
+    assert prompts_needed([30 / 32] * 3, [29 / 32] * 3, T.quality_theta, 0.95, 0.8) > 3
+
+
 def test_identical_answers_pass_with_difference_zero_on_enough_prompts() -> None:
     g, c = _pairs(400, 0, 0)
     q = judge_quality(_answers(g, c), T)

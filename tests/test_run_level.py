@@ -91,13 +91,44 @@ def test_below_the_resolution_nothing_differs_and_above_it_zero_noise_is_beaten(
 
 
 def test_unpaired_and_nonfinite_prompts_are_left_out_and_few_prompts_give_no_test() -> None:
-    rows = _rows([0.5] * 10)
+    rows = _rows([0.5] * 12)
     rows["p3"]["tf_kl_mean"] = float("nan")
     rows["p4"].update(tf_positions=0, tf_kl_mean=None, tf_same_top1_rate=None)  # not teacher-forced
-    floor = _floor([0.1] * 10)
+    floor = _floor([0.1] * 12)
     test = compare_to_noise(rows, floor, T)
-    assert [m.prompts for m in test.measures] == [8, 9, 9] and test.left_out == 2
+    assert [m.prompts for m in test.measures] == [10, 11, 11] and test.left_out == 2
     assert compare_to_noise(_rows([0.5] * 5), _floor([0.1] * 5), T) is None
+
+
+@pytest.mark.parametrize("n", range(5, 13))
+def test_a_set_too_small_to_say_beyond_gets_no_test_and_every_regression_counts(n: int) -> None:
+    """The run-level test runs only where it can say "beyond": n prompts all above their envelope
+    give p = 1/2^n at best, times Holm's 3 for the measures; at alpha 0.01 that takes 9. So 6 to 8
+    prompts that each regressed are not excused as "within the noise" (they once were, while 5
+    and 9 failed), and from 9 prompts the test says beyond."""
+    from regress.noise.beyond import MEASURES
+    from regress.noise.record import RUN_LEVEL_MEASURES, min_testable
+
+    assert min_testable(T.noise_alpha) == 9 and len(MEASURES) == RUN_LEVEL_MEASURES
+    test = compare_to_noise(_rows([0.25] * n), _floor([1e-4] * n), T)
+    if n < 9:
+        assert test is None
+    else:
+        assert test is not None and test.beyond
+
+
+def test_an_excess_rising_to_zero_never_raises_p() -> None:
+    """One method per set size: scipy's "auto" switched from the exact p to the normal
+    approximation when one excess was exactly 0, so a prompt's excess rising from just below its
+    envelope to exactly it raised p (0.0026 to 0.0035 here) and could pass a larger change."""
+    from regress.noise.beyond import signed_rank
+
+    base = [0.1, 0.2, -0.007, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, -0.05, 1.2]
+    previous = 1.0
+    for excess in (-0.5, -0.05, -0.007, -1e-9, 0.0, 1e-9, 0.05, 2.0):
+        p = signed_rank([*base[:2], excess, *base[3:]])[1]
+        assert p <= previous + 1e-12, (excess, p, previous)
+        previous = p
 
 
 def test_the_verdict_is_monotone_along_a_ladder_and_the_same_for_the_same_size() -> None:

@@ -34,8 +34,23 @@ class NoiseApplied(_Stored):
 
 
 MIN_PROMPTS = 6
-"""Fewer paired prompts than this and no one-sided signed-rank p-value can reach 0.01 (6 prompts
-all above: p = 1/64): the run-level test is not run and the verdict rests on the per-prompt rules."""
+"""Never fewer paired prompts than this for the run-level test; the bound that decides is
+:func:`min_testable` (9 at ``noise_alpha`` 0.01). Below it the verdict rests on the per-prompt rules."""
+RUN_LEVEL_MEASURES = 3
+"""How many measures the run-level test adjusts for (Holm): :data:`regress.noise.beyond.MEASURES`."""
+
+
+def min_testable(alpha: float) -> int:
+    """The fewest paired prompts on which the run-level test can say "beyond" at ``alpha``: its
+    smallest one-sided signed-rank p (every prompt above its envelope: 1/2^n, exact up to 50
+    prompts) times Holm's factor for the measures must be below it (9 prompts at 0.01: 3/512).
+    Below that the test could only ever say "within", so it is not run and every regression counts
+    on its own, as with no floor: a verdict must not pass 6 prompts that each regressed while it
+    fails 5 or 9."""
+    n = MIN_PROMPTS
+    while RUN_LEVEL_MEASURES * 0.5 ** n >= alpha and n < 1_000:
+        n += 1
+    return n
 
 
 class MeasureTest(_Stored):
