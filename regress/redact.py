@@ -10,10 +10,12 @@ only on a lone URL, so one function covers install logs, messages and manifests 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 MASK = "***"
@@ -93,6 +95,92 @@ def secret_name(name: str, *, assigned: bool = False) -> bool:
     if last == "key":
         return (before is not None and before not in _NOT_KEY) or (before is None and assigned)
     return last in ("pass", "pwd") and before is not None
+
+
+# Words that make a setting's name a credential's wherever they stand in it (``AUTH_HEADER``,
+# ``SECRET_ACCESS``), and the words before ``key`` that do (``AWS_ACCESS_KEY_ID``).
+_SETTING_WORDS = frozenset({"password", "passwd", "passphrase", "secret", "secrets", "credential", "credentials",
+                            "auth", "authorization", "oauth", "apikey", "privatekey", "accesskey", "secretkey",
+                            "cookie"})
+_SETTING_KEY_BEFORE = frozenset({"api", "access", "secret", "private", "signing", "encryption", "master", "client",
+                                 "account", "service", "license", "subscription", "session"})
+
+
+def secret_setting(name: str) -> bool:
+    """Whether a setting named ``name`` holds a credential: an environment variable (``env``), an
+    engine argument or a key of a dict an engine argument takes. :func:`secret_name` (assigned:
+    ``WANDB_API_KEY``, ``hf_token``, ``MY_SECRET``, ``AWS_SECRET_ACCESS_KEY``, ``*_CREDENTIALS``),
+    regress's own secret variables (:func:`is_secret_variable`), a credential word anywhere in the
+    name (``PROXY_AUTH_USER``, ``SECRET_ACCESS``) and ``<api|access|secret|...>_key`` anywhere
+    (``AWS_ACCESS_KEY_ID``). Not: names ending in ``env``, which name the variable that holds a
+    secret (``api_key_env``), ``max_tokens``, ``bos_token_id``, ``*_TOKEN_THRESHOLD``,
+    ``kv_cache_dtype``, ``OMP_NUM_THREADS``."""
+    bare = name.lstrip("-")
+    words = [w.lower() for w in _WORD.findall(bare)]
+    if not words or words[-1] == "env":
+        return False
+    if is_secret_variable(bare) or secret_name(bare, assigned=True):
+        return True
+    if any(w in _SETTING_WORDS or any(part in w for part in _SECRET_PARTS) for w in words):
+        return True
+    for i, word in enumerate(words[1:], 1):
+        if word == "key" and words[i - 1] in _SETTING_KEY_BEFORE:
+            return True
+    return False
+
+
+def masked_setting(name: str, value: Any) -> Any:
+    """``value`` of the setting ``name`` as regress stores and shows it (manifest.json, the report's
+    configuration, summary.md): ``***`` when :func:`secret_setting` says the name holds a
+    credential (unless the value is None or a bool, which hold none: ``allow_credentials: true``),
+    the same within a dict an engine argument takes (by each key's name) and a list, and every
+    other string through :func:`redact`. The mask is fixed, not a fingerprint: a short secret's
+    hash is as good as the secret. A masked value still shows that it was set; whether it changed
+    is for the plan fingerprint (computed from the raw values) and :func:`masked_pair`.
+    Idempotent: a stored form masked again is the same."""
+    if value is None or isinstance(value, bool):
+        return value
+    if secret_setting(name):
+        return MASK
+    if isinstance(value, Mapping):
+        return {k: masked_setting(str(k), v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [masked_setting(name, v) for v in value]
+    if isinstance(value, str):
+        return redact(value)
+    return value
+
+
+def masked_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Every setting of ``settings`` (an ``env``, ``engine_args``) through :func:`masked_setting`."""
+    return {k: masked_setting(str(k), v) for k, v in settings.items()}
+
+
+CHANGED = " (changed)"
+"""What :func:`masked_pair` adds to a masked value that differs from the other side's."""
+
+
+def masked_pair(name: str, baseline: Any, candidate: Any) -> tuple[Any, Any]:
+    """Two runs' values of the setting ``name`` masked (:func:`masked_setting`), the candidate's
+    marked ``(changed)`` when the masks hide a difference between two raw values (a manifest
+    written before masking). When either side is stored masked already, whether it changed is not
+    known from here, and nothing is added (the plan fingerprints, from the raw values, differ)."""
+    a, b = masked_setting(name, baseline), masked_setting(name, candidate)
+    both_raw = a != baseline and b != candidate and not _holds_mask(baseline) and not _holds_mask(candidate)
+    if a == b and baseline != candidate and both_raw:
+        return a, (b + CHANGED if isinstance(b, str) else
+                   json.dumps(b, ensure_ascii=False, sort_keys=True, default=str) + CHANGED)
+    return a, b
+
+
+def _holds_mask(value: Any) -> bool:
+    if isinstance(value, str):
+        return MASK in value
+    if isinstance(value, Mapping):
+        return any(_holds_mask(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_mask(v) for v in value)
+    return False
 
 
 def _named(text: str) -> str:

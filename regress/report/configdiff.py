@@ -11,6 +11,7 @@ from packaging.utils import canonicalize_name
 
 from regress.records import RunManifest
 from regress.records.manifest import SERVER_DEFAULT_FIELDS
+from regress.redact import masked_pair
 
 if TYPE_CHECKING:
     from regress.config import Params
@@ -183,7 +184,11 @@ def _effective_rows(m: RunManifest) -> dict[tuple[str, str], Any]:
 
 
 def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
-    """Every setting of either run, in section order; unset on one side shows as '—'."""
+    """Every setting of either run, in section order; unset on one side shows as '—'. Values are
+    masked here too (:func:`regress.redact.masked_pair`: a secret engine argument or variable by
+    its name, nested keys too, credentials in any text), as manifests written before the manifest
+    masked them hold them in full; a masked value that differs between two such manifests shows
+    ``*** (changed)``."""
     a, b = _flatten(baseline), _flatten(candidate)
     for mine, theirs in ((a, b), (b, a)):
         # A run that records no server defaults (offline: every field sent) applied none.
@@ -192,7 +197,8 @@ def config_diff(baseline: RunManifest, candidate: RunManifest) -> list[Setting]:
     keys = list(a) + [k for k in b if k not in a]
     sections = list(dict.fromkeys(k[0] for k in keys))
     keys.sort(key=lambda k: sections.index(k[0]))
-    rows = [Setting(sec, name, _text(a.get((sec, name))), _text(b.get((sec, name)))) for sec, name in keys]
+    rows = [Setting(sec, name, *map(_text, masked_pair(name, a.get((sec, name)), b.get((sec, name)))))
+            for sec, name in keys]
     return [r for r in rows if not (r.baseline == "—" and r.candidate == "—")]
 
 
