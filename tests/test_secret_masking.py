@@ -193,3 +193,21 @@ def test_summary_and_report_render_no_secret_of_an_old_manifest(tmp_path):
     assert "| engine arguments: max_model_len | `—` | `2048` |" in lines
     assert "| engine arguments: hf_token | `—` | `***` |" in lines
     assert "OMP_NUM_THREADS" in html and "WANDB_API_KEY" in html and "hf_token" in html
+
+
+def test_engine_info_in_the_run_masks_secret_engine_arguments(tmp_path):
+    """engine-info.json stays in the finished run beside manifest.json: its engine arguments are
+    masked as the manifest's are, and the rest of the facts are kept as they are."""
+    import json as _json
+
+    from regress.replay.rundir import write_engine_info
+
+    path = tmp_path / "engine-info.json"
+    write_engine_info(path, {"info": {"engine_args": {"hf_token": "hf_abcdefghijklmnop1234", "max_model_len": 2048,
+                                                      "hf_overrides": {"auth_token": "plainsecret"}},
+                                      "versions": {"vllm": "0.32.0"}}, "memory": {"peak_rss_mib": 1.0}})
+    text = path.read_text()
+    assert "hf_abcdefghijklmnop1234" not in text and "plainsecret" not in text
+    saved = _json.loads(text)
+    assert saved["info"]["engine_args"]["max_model_len"] == 2048 and saved["info"]["versions"] == {"vllm": "0.32.0"}
+    assert saved["memory"] == {"peak_rss_mib": 1.0}

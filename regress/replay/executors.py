@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING
 from regress.engine.protocol import EngineInfo, ProgressEvent, ShardRequest
 from regress.errors import EngineError
 from regress.replay.plan import ReplayPlan, ShardTask
-from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done
+from regress.replay.rundir import ENGINE_INFO_FILE, shard_is_done, write_engine_info
 from regress.replay.sink import ProgressSink
 from regress.runs import ENGINE_LOG, VOCAB_FILE, shard_file
-from regress.storage import atomic_write_text
 from regress.watchdog import Phase, phase
 
 if TYPE_CHECKING:
@@ -138,7 +137,7 @@ class LocalExecutor:
                         loads += 1
                         load_s += warm.load_s
                     facts = _engine_facts(warm, loaded)
-                    atomic_write_text(info_file, json.dumps(facts, default=str))
+                    write_engine_info(info_file, facts)
                     progress.status(f"running '{candidate.name}'")
                 task = queue[0]
                 try:
@@ -161,7 +160,7 @@ class LocalExecutor:
             assert warm is not None
             memory = dict(warm.engine.memory())
             warm.runs += 1
-            atomic_write_text(info_file, json.dumps({**facts, "memory": memory}, default=str))
+            write_engine_info(info_file, {**facts, "memory": memory})
         finally:
             if self.engines is None:
                 pool.close()

@@ -42,6 +42,18 @@ ENGINE_INFO_FILE = "engine-info.json"
 """The engine's facts as the executor saw them (read back when every shard was already done)."""
 
 
+def write_engine_info(path: Path, facts: dict[str, Any]) -> None:
+    """``engine-info.json``: the engine's facts as the executor saw them, with the secrets among
+    its engine arguments masked (:func:`regress.redact.masked_settings`), as in manifest.json: the
+    file stays in the finished run, which is shared and uploaded as the manifest is."""
+    from regress.redact import masked_settings
+
+    info = facts.get("info")
+    if isinstance(info, dict) and isinstance(info.get("engine_args"), dict):
+        facts = {**facts, "info": {**info, "engine_args": masked_settings(info["engine_args"])}}
+    atomic_write_text(path, json.dumps(facts, default=str))
+
+
 def shard_file_matches(path: Path, fingerprint: str) -> bool:
     """Whether ``path`` holds a valid shard result stamped with ``fingerprint``."""
     if not path.is_file():

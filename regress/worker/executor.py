@@ -35,8 +35,9 @@ from regress.replay import (
     shard_is_done,
     shard_request,
 )
+from regress.replay.rundir import write_engine_info
 from regress.runs import VOCAB_FILE, shard_file
-from regress.storage import atomic_write_text, read_shard_meta
+from regress.storage import read_shard_meta
 from regress.worker.app import BROKER_CONNECTION_ERRORS, ensure_broker, sending_app
 from regress.worker.replies import checked_reply
 from regress.worker.settings import CelerySettings
@@ -275,7 +276,7 @@ class CeleryExecutor:
                 int(r["index"]) for r in reused if not r["cache_cleared"])}
         elif not replies and "reused_shards" in saved:  # as for the workers: nothing new to say
             facts["reused_shards"] = saved["reused_shards"]
-        atomic_write_text(info_file, json.dumps(facts, default=str))
+        write_engine_info(info_file, facts)
         # Folded into engine-info.json: the finished run keeps the summary only.
         shutil.rmtree(facts_dir, ignore_errors=True)
         return ExecutionOutcome(info, loads, load_s, memory, environment)
