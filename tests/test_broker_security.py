@@ -253,7 +253,7 @@ def test_candidates_made_from_the_workers_own_configuration_pass(own_params):
         candidate_for(loaded.candidates["plugin"], "plugin", "1.1", baseline_name="baseline"),
         changed(served, name="served-c8", server={**served.server.model_dump(), "concurrency": 8}),  # a noise arm
         changed(base, name="tuned", engine_args={"enforce_eager": False, "max_num_seqs": 4, "kv_cache_dtype": "fp8",
-                                                 "cuda_graph_sizes": [1, 2]}),
+                                                 "cudagraph_capture_sizes": [1, 2]}),
         changed(base, name="env", env={"VLLM_BATCH_INVARIANT": "1", "OMP_NUM_THREADS": "4"}),
         changed(served, name="own-server-no-key", server={"url": "https://llm.internal:8000"}),
         changed(base, name="started", backend="server"),  # regress starts the server itself, on loopback

@@ -12,6 +12,12 @@ is free for any local process to bind while vLLM imports, and whoever binds it f
 health check, receive the API key and have its answers scored. Nobody else can create or connect
 to the socket's path, so the server regress talks to is the one it started.
 
+Every engine argument becomes a flag only when the flag is one the server has exactly
+(:func:`engine_arg_flags`): vLLM's parser is an ``argparse.ArgumentParser`` with ``allow_abbrev``
+on, which reads a unique prefix as the whole option (``--trust-remote`` is ``--trust-remote-code``),
+so an unknown name is an :class:`~regress.errors.InputError` naming the candidate and the argument,
+never a flag argparse could expand into another option.
+
 Runs inside the candidate's environment: standard library (and regress's own modules of it) at
 import; vLLM is imported inside :func:`_flag_names`, aiohttp inside the health check
 (:mod:`regress.backends.server_http`).
@@ -22,6 +28,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +41,7 @@ from typing import Any
 
 from regress.backends.server_http import ServerClient, shown_url  # noqa: F401  (shown_url re-exported)
 from regress.backends.server_sampling import LOG_MARKER
-from regress.errors import ServerHTTPError, ServerReplyError
+from regress.errors import InputError, ServerHTTPError, ServerReplyError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _LOG_LINES = 40
@@ -96,13 +103,47 @@ def _flag_names() -> set[str] | None:
         return None
 
 
-def engine_arg_flags(engine_args: dict[str, Any], known: set[str] | None = None) -> list[str]:
+def _shipped_flags() -> frozenset[str]:
+    """vLLM's engine arguments as flags (``--max-model-len``): the releases regress is checked
+    against (:func:`regress.engine_args.known_engine_args`)."""
+    from regress.engine_args import known_engine_args
+
+    return frozenset("--" + name.replace("_", "-") for name in known_engine_args()[1])
+
+
+def _flag_problem(key: Any, flag: str, known: set[str] | None) -> str | None:
+    """Why ``flag`` (from engine argument ``key``) may not go on the server's command line (None:
+    it may). It must be exactly one of the server's options (``known``, read from its parser) or of
+    vLLM's engine arguments, and never a prefix of another of the server's options, which argparse
+    would expand to that option."""
+    if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", key):
+        return "is not an option name"
+    if known is not None and flag in known:
+        return None
+    if flag not in _shipped_flags():
+        where = "this vLLM server's options" if known is not None else "vLLM's engine arguments"
+        return f"is not exactly one of {where} ({flag}): vLLM's parser would read an abbreviation as another option"
+    longer = sorted(k for k in (known or ()) if k.startswith(flag) and k != flag)
+    if longer:
+        return f"is not an option of this vLLM server, which would read {flag} as {longer[0]}"
+    return None
+
+
+def engine_arg_flags(engine_args: dict[str, Any], known: set[str] | None = None,
+                     candidate: str | None = None) -> list[str]:
     """``engine_args`` as server command-line flags: snake_case becomes ``--kebab-case``, True a bare
     flag, False ``--no-<flag>`` where the server has it (else left out: the default), dicts and
-    lists JSON, None left out."""
+    lists JSON, None left out. Every name must be exactly a server option (``known``, the server's
+    parser's options where they could be read) or one of vLLM's engine arguments; anything else is an
+    :class:`~regress.errors.InputError` naming ``candidate`` and the argument, whatever its value."""
     flags: list[str] = []
     for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
+        flag = "--" + str(key).replace("_", "-")
+        problem = _flag_problem(key, flag, known)
+        if problem is not None:
+            of = f" of candidate {candidate!r}" if candidate else ""
+            raise InputError(f"engine argument {key!r}{of} {problem}. The server backend passes engine_args to "
+                             "vLLM's server as flags: use the exact snake_case name of one of its options")
         if value is None:
             continue
         if value is True:
@@ -136,7 +177,7 @@ def server_command(spec: dict[str, Any], port: int | None, python: str | None = 
         command += [UDS_FLAG, str(unix_socket)]
     else:
         command += ["--host", "127.0.0.1", "--port", str(port)]
-    return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags)
+    return command + engine_arg_flags(dict(spec.get("engine_args") or {}), known_flags, spec.get("name"))
 
 
 def server_environment(base: dict[str, str] | None = None, directory: Path | None = None) -> dict[str, str]:

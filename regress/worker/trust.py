@@ -10,7 +10,10 @@ it receives with params.yaml's own rules (:class:`~regress.records.CandidateSpec
 - requirements that are not plain ``name[extras] <specifier>`` (direct URLs ``x @ URL``, pip
   options such as ``--index-url`` or ``-e``, local paths);
 - backends given as ``module:Class`` (registered names only);
-- engine arguments that load code (``trust_remote_code``, ``worker_cls``, ...);
+- engine arguments that load code (``trust_remote_code``, ``worker_cls``, ...), and any name that
+  abbreviates one (``trust_remote``, ``compilation_confi``: vLLM's server parser expands a
+  unique prefix of an option, so ``--trust-remote`` is ``--trust-remote-code``), whatever the
+  backend (:func:`abbreviated_denied_arg`);
 - any path to write outside the worker's results directory (``celery.results_dir``).
 
 Then an allow-list (:func:`from_own_configuration`): a message chooses no network destination,
@@ -19,11 +22,21 @@ secret or file. Everything that names one must come from the worker's own params
 the tokenizer, the chat template, the generation config, the server's URL and the variable
 holding its key (as a pair, so no key goes to another candidate's server). Engine arguments and
 ``env`` values must either be set the same way by one of the worker's candidates or be plain
-settings: numbers and booleans (no ports), the listed word-valued knobs (:data:`WORD_ENGINE_ARGS`),
-``env`` values without ``/`` under keys that name no host, URL, proxy or secret. A candidate equal
-to one of the worker's own passes as it is. So the watcher's and bisect's candidates (a template
-with another package), noise arms (another concurrency) and tuning candidates replay; one that
-points elsewhere is refused before pip or an engine starts.
+settings: numbers and booleans (no ports), the listed word-valued knobs (:data:`WORD_ENGINE_ARGS`).
+For the backends that hand engine arguments to vLLM (``vllm``, ``server``) each name must also be
+exactly one of vLLM's engine arguments (``regress/data/vllm_engine_args.json``) or a name the
+worker's own candidates set: no abbreviation or unknown option reaches vLLM's parser.
+``env`` keys are an allow-list, not a deny-pattern: a message may set a key only when one of the
+worker's own candidates sets that key, or the key is one of the few performance knobs in
+:data:`MESSAGE_ENV_KEYS` (``OMP_NUM_THREADS``, ``VLLM_CPU_KVCACHE_SPACE``, ...), with a value
+without ``/``. So ``VLLM_USE_MODELSCOPE`` (the model fetched from another registry),
+``VLLM_NO_USAGE_STATS=0`` / ``DO_NOT_TRACK=0`` (usage reporting back on) and
+``VLLM_TEST_FORCE_LOAD_FORMAT=dummy`` (random weights) are refused; the keys of
+:data:`PINNED_ENV` pass only with the very value one of the worker's candidates gives them.
+The deny rules above (loader, interpreter, path, network and secret variables) still apply on top.
+A candidate equal to one of the worker's own passes as it is. So the watcher's and bisect's
+candidates (a template with another package), noise arms (another concurrency) and tuning
+candidates replay; one that points elsewhere is refused before pip or an engine starts.
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ DENIED_ENGINE_ARGS = frozenset({
     "allowed_local_media_path", "compilation_config",
 })
 """Engine arguments that import or download code, or write where they like."""
+VLLM_BACKENDS = frozenset({"vllm", "server"})
+"""Backends whose engine arguments go to vLLM as they are (keywords, or a started server's flags)."""
 
 _PLAIN_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]*\])?\s*([<>=!~]=?[^;@\s,]+(\s*,\s*[<>=!~]=?[^;@\s,]+)*)?$")
 
@@ -68,6 +83,30 @@ def denied_env_key(key: str) -> bool:
     upper = key.upper()
     return (upper in DENIED_ENV or upper.startswith(DENIED_ENV_PREFIXES) or upper.endswith(DENIED_ENV_SUFFIXES)
             or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key))
+
+
+def _arg_stem(key: str) -> str:
+    """``key`` as vLLM's server parser would see the option's name: ``--`` and what follows ``=``
+    dropped, dashes as underscores, lower case."""
+    return key.split("=", 1)[0].strip().lstrip("-").replace("-", "_").lower()
+
+
+def abbreviated_denied_arg(key: str) -> str | None:
+    """The refused engine argument (:data:`DENIED_ENGINE_ARGS`) that ``key`` names or abbreviates
+    (``None``: none). argparse, as vLLM's server uses it (``allow_abbrev`` on), reads a unique
+    prefix of an option as the option, so ``trust_remote`` is ``trust_remote_code`` there. An
+    exact name of vLLM's own (``model``, a prefix of ``model_loader_extra_config``) is itself."""
+    from regress.engine_args import known_engine_args
+
+    stem = _arg_stem(key)
+    if stem in DENIED_ENGINE_ARGS:
+        return stem
+    if stem and stem in known_engine_args()[1]:
+        return None
+    for denied in sorted(DENIED_ENGINE_ARGS):
+        if denied.startswith(stem):
+            return denied
+    return None
 
 
 def requirement_problem(text: str) -> str | None:
@@ -108,8 +147,12 @@ def untrusted_candidate(data: Any, where: str) -> CandidateSpec:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", candidate.backend):
         problems.append(f"backend {candidate.backend!r} (registered backend names only, not module:Class)")
     for arg in candidate.engine_args:
-        if arg in DENIED_ENGINE_ARGS:
+        denied = abbreviated_denied_arg(arg)
+        if denied == arg:
             problems.append(f"engine argument '{arg}' (loads code or chooses where files go)")
+        elif denied is not None:
+            problems.append(f"engine argument '{arg}' (vLLM's parser would read it as '{denied}', which "
+                            "loads code or chooses where files go)")
     if problems:
         raise MessageRefused(f"{where}: candidate '{candidate.name}' refused: " + "; ".join(problems))
     return candidate
@@ -144,6 +187,22 @@ NETWORK_ENV = re.compile(
     r"PROXY|(^|_)(URL|URI|ENDPOINTS?|HOST|HOSTNAME|IP|ADDR|ADDRESS|PORT|SERVERS?|TOKEN|KEY|SECRET|PASSWORD|PASSWD"
     r"|CREDENTIALS?|AUTH)($|_)|^(OTEL|AWS|AZURE|GOOGLE|GCS|S3|HF|HUGGING_FACE|GITHUB|GH|ACTIONS|RUNNER)_")
 """``env`` keys that name a network destination or hold a secret."""
+MESSAGE_ENV_KEYS = frozenset({
+    "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_BATCH_INVARIANT",
+})
+"""``env`` keys a message may set although none of the worker's candidates does: performance and
+determinism knobs that choose no place, no code and no weights (the diagnosis probe's
+``VLLM_BATCH_INVARIANT``, the CPU thread and KV-cache settings of the project's params and docs).
+Any other key only where the worker's own params set it."""
+PINNED_ENV = frozenset({
+    "VLLM_USE_MODELSCOPE", "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK", "VLLM_USAGE_SOURCE",
+    "VLLM_TEST_FORCE_LOAD_FORMAT", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+})
+"""``env`` keys a message may give only the very value one of the worker's candidates gives them
+(where the model comes from, usage reporting, dummy weights, unsafe deserialization): even when
+the worker's params set the key, another value would undo what they chose."""
 _ARG_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]{0,63}")
 _PLAIN_ENV_VALUE = re.compile(r"[A-Za-z0-9_.,:+=-]{0,256}")
@@ -210,12 +269,25 @@ def _value(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def engine_arg_problem(key: str, value: Any) -> str | None:
-    """Why a message may not set engine argument ``key`` to ``value`` on its own (``None``: it may)."""
+def engine_arg_problem(key: str, value: Any, backend: str = "vllm",
+                       own_names: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """Why a message may not set engine argument ``key`` to ``value`` on its own (``None``: it may).
+    For a backend that hands its engine arguments to vLLM (:data:`VLLM_BACKENDS`) the name must be
+    exactly one of vLLM's engine arguments or one of ``own_names`` (those the worker's candidates set)."""
+    from regress.engine_args import known_engine_args
+
     if not _ARG_NAME.fullmatch(key):
         return "not an engine argument name"
-    if key in DENIED_ENGINE_ARGS:
+    denied = abbreviated_denied_arg(key)
+    if denied == key:
         return "loads code or chooses where files go"
+    if denied is not None:
+        return f"vLLM's parser would read it as '{denied}', which loads code or chooses where files go"
+    if backend in VLLM_BACKENDS and key not in own_names:
+        releases, names = known_engine_args()
+        if key not in names:
+            return (f"not exactly the name of an engine argument of vLLM ({', '.join(releases)}) nor one the "
+                    "worker's candidates set; vLLM's server would expand an abbreviation to another option")
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -229,12 +301,20 @@ def engine_arg_problem(key: str, value: Any) -> str | None:
     return "a structured value, which may name a host, a file or a module: only the worker's own params set it"
 
 
-def env_problem(key: str, value: str) -> str | None:
-    """Why a message may not set engine variable ``key`` to ``value`` on its own (``None``: it may)."""
+def env_problem(key: str, value: str, own_keys: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """Why a message may not set engine variable ``key`` to ``value`` on its own (``None``: it may):
+    ``key`` must be one of ``own_keys`` (those the worker's candidates set) or of
+    :data:`MESSAGE_ENV_KEYS`, not one of :data:`PINNED_ENV`, and pass the deny rules."""
     if denied_env_key(key):
         return "loader, interpreter or path variables come from the worker's own environment"
     if NETWORK_ENV.search(key.upper()):
         return "names a network destination or holds a secret"
+    if key.upper() in PINNED_ENV:
+        return ("chooses where the model comes from, usage reporting or the weights: only the value the "
+                "worker's own params give it")
+    if key not in own_keys and key not in MESSAGE_ENV_KEYS:
+        return (f"not a variable the worker's candidates set, nor one of {', '.join(sorted(MESSAGE_ENV_KEYS))}: "
+                "set it in the worker's params")
     if not _PLAIN_ENV_VALUE.fullmatch(value):
         return "its value may name a file or a host"
     return None
@@ -265,13 +345,16 @@ def configuration_problems(candidate: CandidateSpec, own: OwnConfiguration) -> l
         # A key goes only to the server the worker's params pair it with.
         problems.append(f"server.api_key_env {key!r} (not this server's key in the worker's params)")
     own_args = {(k, _value(v)) for c in mine for k, v in c.engine_args.items()}
+    own_names = {k for c in mine for k in c.engine_args}
     for arg, value in candidate.engine_args.items():
-        why = None if (arg, _value(value)) in own_args else engine_arg_problem(arg, value)
+        why = (None if (arg, _value(value)) in own_args
+               else engine_arg_problem(arg, value, candidate.backend, own_names))
         if why:
             problems.append(f"engine argument '{arg}' ({why})")
     own_env = {(k, v) for c in mine for k, v in c.env.items()}
+    own_keys = {k for c in mine for k in c.env}
     for variable, value in candidate.env.items():
-        why = None if (variable, value) in own_env else env_problem(variable, value)
+        why = None if (variable, value) in own_env else env_problem(variable, value, own_keys)
         if why:
             problems.append(f"env '{variable}' ({why})")
     return problems
