@@ -159,7 +159,8 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     thresholds = Thresholds.from_params(params.thresholds, file=str(params.path))
     golden_run = golden if golden is not None else load_run(golden_dir or params.golden_dir())
     run = load_run(run_dir or params.run_dir(spec.name))
-    if run.manifest.candidate.name != spec.name:  # `--run` naming another candidate's run
+    if run.manifest.candidate.name != spec.name and run.manifest.candidate.name in params.candidates:
+        # `--run` naming another candidate's run (a baseline's run, a noise arm, may be scored as a candidate)
         raise ConfigError(f"{run.path} is a run of candidate '{run.manifest.candidate.name}', not of '{spec.name}': "
                           f"scores and the gate are filed under the candidate's name, so score it as "
                           f"'{run.manifest.candidate.name}' or replay '{spec.name}'")

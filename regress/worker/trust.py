@@ -272,8 +272,10 @@ def _value(value: Any) -> str:
 def engine_arg_problem(key: str, value: Any, backend: str = "vllm",
                        own_names: frozenset[str] | set[str] = frozenset()) -> str | None:
     """Why a message may not set engine argument ``key`` to ``value`` on its own (``None``: it may).
-    For a backend that hands its engine arguments to vLLM (:data:`VLLM_BACKENDS`) the name must be
-    exactly one of vLLM's engine arguments or one of ``own_names`` (those the worker's candidates set)."""
+    For a server regress starts (its arguments become flags of vLLM's argparse, which expands
+    abbreviations) the name must be exactly one of vLLM's engine arguments or one of ``own_names``
+    (those the worker's candidates set); the offline engine takes keyword arguments, where an
+    unknown name fails the engine's start and nothing is expanded."""
     from regress.engine_args import known_engine_args
 
     if not _ARG_NAME.fullmatch(key):
@@ -283,7 +285,7 @@ def engine_arg_problem(key: str, value: Any, backend: str = "vllm",
         return "loads code or chooses where files go"
     if denied is not None:
         return f"vLLM's parser would read it as '{denied}', which loads code or chooses where files go"
-    if backend in VLLM_BACKENDS and key not in own_names:
+    if backend == "server" and key not in own_names:  # argparse expands prefixes; LLM(**kwargs) does not
         releases, names = known_engine_args()
         if key not in names:
             return (f"not exactly the name of an engine argument of vLLM ({', '.join(releases)}) nor one the "
