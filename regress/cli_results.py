@@ -25,7 +25,7 @@ def report(
     from regress.config import load_params
     from regress.datasets import load_prompt_set
     from regress.diagnosis.record import load_diagnosis
-    from regress.errors import StorageError
+    from regress.gate_check import check_current
     from regress.report import refresh_index, write_candidate_report
     from regress.runs import load_run
     from regress.scoring import SCORES_FILE, read_scored_run
@@ -44,11 +44,7 @@ def report(
         for name in names:
             scores = read_scored_run(scores_dir / name)
             run = load_run(p.run_dir(name))
-            for what, scored_id, now in (("run", scores.run.run_id, run), ("golden", scores.golden.run_id, golden_run)):
-                if scored_id != now.manifest.run_id:  # the page would show new outputs under old classes
-                    raise StorageError(f"{scores_dir / name / SCORES_FILE}: field '{what}.run_id' is {scored_id}, but "
-                                       f"{now.path} holds run {now.manifest.run_id}: the scoring is of outputs "
-                                       f"that were replaced; run `regress score {name}`")
+            check_current(scores_dir / name / SCORES_FILE, scores, p, name)  # else new outputs under old classes
             page = write_candidate_report(scores, golden_run, run, prompt_set, reports_dir / name,
                                           diagnosis=load_diagnosis(scores_dir / name, run.manifest.run_id))
             _out(f"report: {page}")

@@ -148,7 +148,7 @@ def check_metrics(path: Path, m: Any, *, params: Any = None, candidate: str | No
             raise _bad(scores_path, "run.candidate.name", f"is {scored.run.candidate.name!r}, but the file is "
                                                           f"{candidate!r}'s: run `regress score {candidate}`")
         if candidate is not None and params is not None:
-            _check_current(scores_path, scored, params, candidate)
+            check_current(scores_path, scored, params, candidate)
         mine, theirs = m.model_dump(mode="json"), scored.metrics.model_dump(mode="json")
         for name in type(m).model_fields:
             if mine.get(name) != theirs.get(name):
@@ -178,7 +178,7 @@ def check_metrics(path: Path, m: Any, *, params: Any = None, candidate: str | No
     return scored
 
 
-def _check_current(scores_path: Path, scored: Any, params: Any, candidate: str) -> None:
+def check_current(scores_path: Path, scored: Any, params: Any, candidate: str) -> None:
     """A scoring is of the runs it names: when the project's ``runs/<candidate>`` or golden now
     holds another run (replayed again, a new golden), the stored verdict is of outputs that are
     gone and must not gate."""

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ def _flag_names() -> set[str] | None:
         return None
 
 
+@lru_cache(maxsize=1)
 def _shipped_flags() -> frozenset[str]:
     """vLLM's engine arguments as flags (``--max-model-len``): the releases regress is checked
     against (:func:`regress.engine_args.known_engine_args`)."""

@@ -23,9 +23,10 @@ the tokenizer, the chat template, the generation config, the server's URL and th
 holding its key (as a pair, so no key goes to another candidate's server). Engine arguments and
 ``env`` values must either be set the same way by one of the worker's candidates or be plain
 settings: numbers and booleans (no ports), the listed word-valued knobs (:data:`WORD_ENGINE_ARGS`).
-For the backends that hand engine arguments to vLLM (``vllm``, ``server``) each name must also be
-exactly one of vLLM's engine arguments (``regress/data/vllm_engine_args.json``) or a name the
-worker's own candidates set: no abbreviation or unknown option reaches vLLM's parser.
+For the ``server`` backend (its engine arguments become flags of vLLM's argparse) each name must
+also be exactly one of vLLM's engine arguments (``regress/data/vllm_engine_args.json``) or a name
+the worker's own candidates set: no abbreviation or unknown option reaches vLLM's parser. The
+offline engine takes keyword arguments: nothing is expanded, and an unknown name fails its start.
 ``env`` keys are an allow-list, not a deny-pattern: a message may set a key only when one of the
 worker's own candidates sets that key, or the key is one of the few performance knobs in
 :data:`MESSAGE_ENV_KEYS` (``OMP_NUM_THREADS``, ``VLLM_CPU_KVCACHE_SPACE``, ...), with a value
@@ -72,8 +73,6 @@ DENIED_ENGINE_ARGS = frozenset({
     "allowed_local_media_path", "compilation_config",
 })
 """Engine arguments that import or download code, or write where they like."""
-VLLM_BACKENDS = frozenset({"vllm", "server"})
-"""Backends whose engine arguments go to vLLM as they are (keywords, or a started server's flags)."""
 
 _PLAIN_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,\s-]*\])?\s*([<>=!~]=?[^;@\s,]+(\s*,\s*[<>=!~]=?[^;@\s,]+)*)?$")
 
