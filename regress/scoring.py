@@ -290,8 +290,9 @@ def noise_judgement(scores: list[PromptScore], noise: NoiseFloor, t: Any,
     Sampled prompts are judged by their samples' own test (:mod:`regress.metrics.sampled`), not here."""
     from regress.noise.beyond import compare_to_noise
 
-    rows = {s.prompt_id: s.metrics for s in scores if s.prompt_class != "input_drift" and s.prompt_id not in sampled}
-    test = compare_to_noise(rows, noise, t)
+    judged = [s for s in scores if s.prompt_class != "input_drift" and s.prompt_id not in sampled]
+    rows = {s.prompt_id: s.metrics for s in judged}
+    test = compare_to_noise(rows, noise, t, regressed={s.prompt_id for s in judged if s.prompt_class == "regression"})
     severe_ids = tuple(s.prompt_id for s in scores if s.prompt_class == "regression" and severe(s.metrics, t))
     return NoiseJudgement(test, severe_ids)
 

@@ -498,7 +498,8 @@ def _basis_notes(noise: "NoiseJudgement | None", regressions: int, t: Any) -> li
     mild = regressions - len(noise.severe_ids)
     if mild > 0:
         return [f"{mild} milder regression(s) (severity below {t.severe_regression:g}) show where the run moved; "
-                "they do not gate on their own: whether it moved beyond the noise is the run-level test's call"]
+                "they do not gate one by one: the run-level test counts them against the prompts the baseline "
+                "itself regressed on"]
     return []
 
 

@@ -86,7 +86,7 @@ def test_below_the_resolution_nothing_differs_and_above_it_zero_noise_is_beaten(
     assert not ties.beyond and all(m.candidate_mean == 0 for m in ties.measures[1:])
     assert "0.00%, as in the noise" in describe(ties.measures[1])
     flips = compare_to_noise(_rows([1e-13] * 10, same=[0.9] * 10, margin=[1.5] * 10), _floor([1e-13] * 10), T)
-    assert flips.beyond and [m.beyond for m in flips.measures] == [False, True, True]
+    assert flips.beyond and [m.beyond for m in flips.measures] == [False, True, True, False]
     assert flips.measures[2].ratio is None and "where the noise is exactly 0" in describe(flips.measures[2])
 
 
@@ -96,20 +96,20 @@ def test_unpaired_and_nonfinite_prompts_are_left_out_and_few_prompts_give_no_tes
     rows["p4"].update(tf_positions=0, tf_kl_mean=None, tf_same_top1_rate=None)  # not teacher-forced
     floor = _floor([0.1] * 12)
     test = compare_to_noise(rows, floor, T)
-    assert [m.prompts for m in test.measures] == [10, 11, 11] and test.left_out == 2
+    assert [m.prompts for m in test.measures] == [10, 11, 11, 12] and test.left_out == 2
     assert compare_to_noise(_rows([0.5] * 5), _floor([0.1] * 5), T) is None
 
 
 @pytest.mark.parametrize("n", range(5, 13))
 def test_a_set_too_small_to_say_beyond_gets_no_test_and_every_regression_counts(n: int) -> None:
     """The run-level test runs only where it can say "beyond": n prompts all above their envelope
-    give p = 1/2^n at best, times Holm's 3 for the measures; at alpha 0.01 that takes 9. So 6 to 8
+    give p = 1/2^n at best, times Holm's 4 for the tests; at alpha 0.01 that takes 9. So 6 to 8
     prompts that each regressed are not excused as "within the noise" (they once were, while 5
     and 9 failed), and from 9 prompts the test says beyond."""
     from regress.noise.beyond import MEASURES
     from regress.noise.record import RUN_LEVEL_MEASURES, min_testable
 
-    assert min_testable(T.noise_alpha) == 9 and len(MEASURES) == RUN_LEVEL_MEASURES
+    assert min_testable(T.noise_alpha) == 9 and len(MEASURES) + 1 == RUN_LEVEL_MEASURES
     test = compare_to_noise(_rows([0.25] * n), _floor([1e-4] * n), T)
     if n < 9:
         assert test is None

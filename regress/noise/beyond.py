@@ -14,6 +14,15 @@ the candidate's mean is at least ``min_ratio`` times the envelope's: significant
 Paired by prompt, the test sees a change the size of the noise on easy and hard prompts alike,
 where a comparison of pooled values would drown it in the prompts' own spread.
 
+A signed-rank test over the whole run cannot see damage on a minority of prompts: 10 of 100
+prompts that each overturn a 2.5-nat choice the baseline never overturned leave 90 exact zeros,
+and the run reads "within". So a fourth test counts the *regressed prompts*: the prompts the
+candidate regressed on where no noise arm regressed (``PromptNoise.regressed``) against the
+prompts some arm regressed on where the candidate did not, one-sided exact McNemar (a binomial
+test of the discordant prompts). All four p-values are Holm-corrected together. The count is beyond
+the noise only when it is significant, material (at least ``min_ratio`` times the prompts the
+noise regressed on) and more than ``max_regressions`` prompts regressed where no arm did.
+
 The envelope is the worst of every arm, so a candidate that is itself another draw of the noise
 sits below it on most prompts and passes (each arm scored against the others' envelope, as
 ``regress power`` does, shows the margin). How the test combines with the per-prompt classes into
@@ -23,7 +32,7 @@ the run verdict: :func:`regress.verdict.run_verdict`; the measured figures: docs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,11 +151,55 @@ def _ratio(candidate_mean: float, noise_mean: float) -> float | None:
     return candidate_mean / noise_mean if noise_mean > 0 else None
 
 
-def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t: Any) -> NoiseTest | None:
+REGRESSED = "regressed_prompts"
+"""The fourth measure: the share of prompts that regressed (:func:`regressed_prompts`)."""
+REGRESSED_LABEL = "prompts regressed where no noise arm did"
+
+
+def regressed_prompts(ids: Collection[str], regressed: Collection[str],
+                      envelopes: Mapping[str, PromptNoise]) -> tuple[int, int, int, int]:
+    """(candidate regressed, noise regressed, only the candidate, only the noise) over ``ids``:
+    the prompts the candidate regressed on (``regressed``) and those some arm regressed on."""
+    mine = {pid for pid in ids if pid in regressed}
+    noise = {pid for pid in ids if pid in envelopes and envelopes[pid].regressed}
+    return len(mine), len(noise), len(mine - noise), len(noise - mine)
+
+
+def mcnemar_greater(only_candidate: int, only_noise: int) -> float:
+    """One-sided exact McNemar p: how likely this many discordant prompts lean the candidate's way
+    if a regression were as likely on either side (1.0 when none does). Pairing against the union
+    of the arms makes it conservative: the noise side regresses wherever any arm did."""
+    if only_candidate == 0:
+        return 1.0
+    from scipy.stats import binomtest
+
+    return float(binomtest(only_candidate, only_candidate + only_noise, 0.5, alternative="greater").pvalue)
+
+
+def _count_test(ids: Collection[str], regressed: Collection[str], envelopes: Mapping[str, PromptNoise],
+                t: Any) -> tuple[dict[str, Any], float, Callable[[float], bool]]:
+    """The regressed-prompts test's fields, its raw p and its materiality given the adjusted p."""
+    n = len(ids)
+    mine, noise, only_mine, only_noise = regressed_prompts(ids, regressed, envelopes)
+    p = mcnemar_greater(only_mine, only_noise)
+    c_mean, n_mean = (mine / n, noise / n) if n else (0.0, 0.0)
+    ratio = _ratio(c_mean, n_mean)
+    material = ((ratio is None and mine > 0) or (ratio is not None and ratio >= t.noise_min_ratio)) \
+        and only_mine > t.max_regressions
+    fields = dict(measure=REGRESSED, label=REGRESSED_LABEL, prompts=n, candidate_mean=c_mean, noise_mean=n_mean,
+                  ratio=ratio, above=only_mine, statistic=float(only_mine),
+                  effect=(only_mine - only_noise) / (only_mine + only_noise) if only_mine + only_noise else 0.0)
+    return fields, p, lambda p_adj: bool(p_adj < t.noise_alpha and material)
+
+
+def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t: Any,
+                     regressed: Collection[str] = ()) -> NoiseTest | None:
     """The run-level test of the candidate's comparable prompts (``rows``: prompt id -> metric
     values, input-drift prompts already left out) against ``floor``, at the thresholds ``t``
-    (``noise_alpha``, ``noise_min_ratio``, ``noise_kl_resolution``, ``near_tie_margin``); None
-    when fewer than :func:`min_testable` prompts pair on some measure."""
+    (``noise_alpha``, ``noise_min_ratio``, ``noise_kl_resolution``, ``near_tie_margin``,
+    ``max_regressions``); ``regressed``: the ids among ``rows`` the candidate regressed on (their
+    class under the floor's bounds). None when fewer than :func:`min_testable` prompts pair on
+    some measure."""
     alpha, min_ratio = t.noise_alpha, t.noise_min_ratio
     envelopes = floor.by_id()
     found = []
@@ -162,7 +215,8 @@ def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t
         excess = [c - e for c, e in zip(cand, noise)]
         statistic, p, effect = signed_rank(excess)
         raw.append((measure, cand, noise, excess, statistic, p, effect))
-    adjusted = holm([p for *_, p, _ in raw])
+    count_fields, count_p, count_beyond = _count_test(list(rows), regressed, envelopes, t)
+    adjusted = holm([p for *_, p, _ in raw] + [count_p])
     tests = []
     for (measure, cand, noise, excess, statistic, p, effect), p_adj in zip(raw, adjusted):
         c_mean, n_mean = sum(cand) / len(cand), sum(noise) / len(noise)
@@ -172,6 +226,8 @@ def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t
             measure=measure.name, label=measure.label, prompts=len(cand), candidate_mean=c_mean,
             noise_mean=n_mean, ratio=ratio, above=sum(1 for d in excess if d > 0), statistic=statistic,
             p_value=p, p_adjusted=p_adj, effect=effect, beyond=bool(p_adj < alpha and material)))
+    tests.append(MeasureTest(**count_fields, p_value=count_p, p_adjusted=adjusted[-1],
+                             beyond=count_beyond(adjusted[-1])))
     left_out = len(unpaired)
     beyond = any(t.beyond for t in tests)
     return NoiseTest(alpha=alpha, min_ratio=min_ratio, measures=tests, left_out=left_out, beyond=beyond,
@@ -180,6 +236,9 @@ def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t
 
 def ratio_text(t: MeasureTest) -> str:
     """The candidate's mean against the envelope's, in words."""
+    if t.measure == REGRESSED:
+        mine, noise = round(t.candidate_mean * t.prompts), round(t.noise_mean * t.prompts)
+        return f"{t.above} (the candidate regressed on {mine}, the noise arms on {noise})"
     shown = next(m.shown for m in MEASURES if m.name == t.measure)
     if t.ratio is None:
         if t.candidate_mean == 0:
@@ -190,6 +249,8 @@ def ratio_text(t: MeasureTest) -> str:
 
 def describe(t: MeasureTest) -> str:
     """One measure's result in words."""
+    if t.measure == REGRESSED:
+        return f"{t.label}: {ratio_text(t)} of {t.prompts}, effect {t.effect:+.2f}, p = {t.p_adjusted:.2g}"
     return (f"{t.label} {ratio_text(t)}, above the envelope on {t.above} of {t.prompts} prompts, "
             f"effect {t.effect:+.2f}, p = {t.p_adjusted:.2g}")
 

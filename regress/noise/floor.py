@@ -42,7 +42,9 @@ from regress.storage import atomic_write_bytes, atomic_write_text
 
 NOISE_FILE = "noise.json"
 ARMS_DIR = "noise-arms"
-NOISE_FORMAT_VERSION = 1
+NOISE_FORMAT_VERSION = 2
+"""2: every prompt records the arms under which the baseline itself regressed (``PromptNoise.regressed``),
+which the run-level count of regressed prompts is tested against; a format-1 file is refused."""
 MARGIN_STEP = 1e-6
 """How far above the envelope's largest flipped margin a noisy prompt's ``near_tie_margin`` goes."""
 
@@ -100,6 +102,10 @@ class PromptNoise(_Stored):
     """Largest golden margin the baseline overturned teacher-forced, under any arm."""
     semantic_similarity: float | None = None
     """Smallest semantic similarity to the golden under any arm (the prompt's semantic floor)."""
+    regressed: list[str] = Field(default_factory=list)
+    """The arms under which the baseline itself was a regression here, scored with the configured
+    thresholds (no floor): what the count of the candidate's regressed prompts is tested against
+    (:mod:`regress.noise.beyond`)."""
 
     @property
     def flipped_margin(self) -> float | None:
@@ -175,6 +181,7 @@ def build_floor(golden_run_id: str, arms: Sequence[tuple[NoiseArmResult, ScoredR
     prompts = []
     for pid, seen in rows.items():
         flipped_by = [name for name, s in seen if s.prompt_class != "identical"]
+        regressed_by = [name for name, s in seen if s.prompt_class == "regression"]
         values: dict[str, Any] = {}
         for measure in (KL, SAME, TF_MARGIN, SEMANTIC):
             values[measure] = _worst([_num(s.metrics.get(measure)) for _, s in seen], measure)
@@ -183,7 +190,7 @@ def build_floor(golden_run_id: str, arms: Sequence[tuple[NoiseArmResult, ScoredR
         margin, margin_arm = max(margins) if margins else (None, None)
         if values[TF_MARGIN] is not None and not math.isfinite(values[TF_MARGIN]):
             values[TF_MARGIN] = None
-        prompts.append(PromptNoise(prompt_id=pid, flipped=bool(flipped_by), arms=flipped_by,
+        prompts.append(PromptNoise(prompt_id=pid, flipped=bool(flipped_by), arms=flipped_by, regressed=regressed_by,
                                    golden_margin=margin, golden_margin_arm=margin_arm, **values))
     floor: dict[str, float | None] = {}
     for measure in FLOOR_MEASURES:
@@ -248,6 +255,10 @@ def load_floor(golden_dir: str | Path, golden_run_id: str) -> NoiseFloor | None:
         floor = NoiseFloor.model_validate_json(data)
     except ValidationError as exc:
         raise NoiseFloorError(f"{path}: not a regress noise file ({exc.errors()[0]['msg']}); {again}") from exc
+    if floor.format_version != NOISE_FORMAT_VERSION:
+        raise NoiseFloorError(f"{path}: noise format {floor.format_version}, this regress reads "
+                              f"{NOISE_FORMAT_VERSION} (format 2 records the prompts the baseline itself regressed "
+                              f"on, which the run-level test counts against); {again} (finished arms are reused)")
     if manifest.run_id != golden_run_id or floor.golden_run_id != golden_run_id:
         raise NoiseFloorError(f"{path}: measured against golden {floor.golden_run_id}, but the golden is "
                               f"{golden_run_id}: a foreign or stale noise floor is never applied; {again}")

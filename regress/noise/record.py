@@ -36,14 +36,15 @@ class NoiseApplied(_Stored):
 MIN_PROMPTS = 6
 """Never fewer paired prompts than this for the run-level test; the bound that decides is
 :func:`min_testable` (9 at ``noise_alpha`` 0.01). Below it the verdict rests on the per-prompt rules."""
-RUN_LEVEL_MEASURES = 3
-"""How many measures the run-level test adjusts for (Holm): :data:`regress.noise.beyond.MEASURES`."""
+RUN_LEVEL_MEASURES = 4
+"""How many tests the run-level test adjusts for (Holm): the three :data:`regress.noise.beyond.MEASURES`
+and the count of regressed prompts."""
 
 
 def min_testable(alpha: float) -> int:
     """The fewest paired prompts on which the run-level test can say "beyond" at ``alpha``: its
     smallest one-sided signed-rank p (every prompt above its envelope: 1/2^n, exact up to 50
-    prompts) times Holm's factor for the measures must be below it (9 prompts at 0.01: 3/512).
+    prompts) times Holm's factor for the four tests must be below it (9 prompts at 0.01: 4/512).
     Below that the test could only ever say "within", so it is not run and every regression counts
     on its own, as with no floor: a verdict must not pass 6 prompts that each regressed while it
     fails 5 or 9."""
@@ -58,7 +59,10 @@ class MeasureTest(_Stored):
     values against the noise envelope's on the same prompts."""
 
     measure: str
-    """``tf_kl_mean``, ``tf_disagreement`` (1 - same-top-1) or ``tf_max_flipped_margin``."""
+    """``tf_kl_mean``, ``tf_disagreement`` (1 - same-top-1), ``tf_max_flipped_margin`` or
+    ``regressed_prompts`` (the share of prompts that regressed; for it ``above`` counts the prompts
+    the candidate regressed on where no arm did, ``statistic`` is that count, ``p_value`` the
+    one-sided exact McNemar p and ``effect`` (only candidate - only noise) / (both))."""
     label: str
     """The measure in words."""
     prompts: int
@@ -92,7 +96,7 @@ class NoiseTest(_Stored):
     min_ratio: float
     """Smallest candidate/noise mean ratio that counts as beyond (``noise.min_ratio``)."""
     measures: list[MeasureTest]
-    """One test per measure, in :data:`regress.noise.beyond.MEASURES` order."""
+    """One test per measure, in :data:`regress.noise.beyond.MEASURES` order, then the regressed prompts."""
     left_out: int
     """Comparable prompts not paired (no teacher-forced measure on one side, or a non-finite value)."""
     beyond: bool
