@@ -107,7 +107,7 @@ def test_another_draw_of_the_noise_is_within_the_count() -> None:
 def test_the_arms_own_regressions_are_the_reference() -> None:
     ids = [f"p{i}" for i in range(10)]
     floor = _floor(10, {0: ["batch"], 1: ["alone", "batch"], 2: ["alone"]})
-    assert regressed_prompts(ids, {"p0", "p5", "p6"}, floor.by_id()) == (3, 3, 2, 2)
+    assert regressed_prompts(ids, {"p0", "p5", "p6"}, floor.by_id(), T) == (3, 3, 2, 2)
     assert mcnemar_greater(0, 5) == 1.0
     assert mcnemar_greater(10, 0) == pytest.approx(1 / 1024)
     assert mcnemar_greater(10, 10) > 0.5
@@ -119,6 +119,31 @@ def test_the_arms_own_regressions_are_the_reference() -> None:
     test = compare_to_noise(_rows(n, cand), floor, T, regressed={f"p{i}" for i in cand})
     count = _count(test)
     assert count.ratio == pytest.approx(2.0) and count.above == 40 and count.beyond
+
+def test_thresholds_tightened_after_the_floor_judge_the_noise_too() -> None:
+    """The arms' classes were decided when the floor was measured; with regression_kl lowered since,
+    the envelope read under the new bound counts where the noise regresses, so a candidate that is
+    that noise again still passes, and one that regresses beyond it still fails."""
+    n = 100
+    arm = set(range(0, 12))
+    floor = _floor(n)  # no arm regressed under the thresholds of the day
+    floor = floor.model_copy(update={"prompts": [
+        p.model_copy(update={"tf_kl_mean": 0.05}) if int(p.prompt_id[1:]) in arm else p for p in floor.prompts]})
+    tight = Thresholds(regression_kl=0.04)
+    rows = _rows(n, arm, kl=0.05, margin=None)  # the same KL as the arms', now past the bound
+    for i in arm:
+        rows[f"p{i}"]["tf_same_top1_rate"] = 1.0
+    test = compare_to_noise(rows, floor, tight, regressed={f"p{i}" for i in arm})
+    assert _count(test).above == 0 and not _count(test).beyond
+    # Regressing elsewhere as often as the noise does is that noise again; three times as often is not.
+    elsewhere = set(range(50, 62))
+    test = compare_to_noise(_rows(n, elsewhere, kl=0.05, margin=None), floor, tight,
+                            regressed={f"p{i}" for i in elsewhere})
+    assert _count(test).above == 12 and not _count(test).beyond
+    more = arm | set(range(50, 74))
+    test = compare_to_noise(_rows(n, more, kl=0.05, margin=None), floor, tight, regressed={f"p{i}" for i in more})
+    assert _count(test).above == 24 and _count(test).ratio == pytest.approx(3.0) and _count(test).beyond
+
 
 def test_max_regressions_is_the_allowance_beyond_the_noise() -> None:
     n = 100
@@ -154,10 +179,11 @@ def test_scoring_counts_the_candidates_regressions_against_the_arms(case) -> Non
     plain = score_runs(case.golden, case.run, t, metrics=build_metrics(t))
     regressions = {s.prompt_id for s in plain.scores if s.prompt_class == "regression"}
     assert len(regressions) == 10
-    # An arm that measured the same on every prompt but regressed on none (its envelope then holds
-    # every measure of the candidate, so only the count can tell them apart) ...
+    # An arm that measured the same as the candidate but on the ten, where it stayed the golden ...
+    quiet = next(s.metrics for s in plain.scores if s.prompt_class == "identical")
     clean = plain.model_copy(update={"scores": [
-        s.model_copy(update={"prompt_class": "drift"}) if s.prompt_class == "regression" else s for s in plain.scores]})
+        s.model_copy(update={"prompt_class": "identical", "metrics": quiet}) if s.prompt_class == "regression" else s
+        for s in plain.scores]})
     floor = build_floor(case.golden.manifest.run_id, [(_arm("batch", clean), clean)], k=2, q=0.95)
     scored = score_runs(case.golden, case.run, t, metrics=build_metrics(t), noise=floor)
     count = _count(scored.metrics.noise_test)

@@ -156,12 +156,29 @@ REGRESSED = "regressed_prompts"
 REGRESSED_LABEL = "prompts regressed where no noise arm did"
 
 
+def envelope_regresses(p: PromptNoise, t: Any) -> bool:
+    """Whether the prompt's envelope, judged by the thresholds in force now, is a regression by
+    the rules it holds the values of (teacher-forced KL and same-top-1, an overturned golden margin
+    teacher-forced or at the first divergence). The arms' own classes (``PromptNoise.regressed``)
+    were decided by the thresholds of the day the floor was measured: tightened since, the noise
+    would look cleaner than it is and a candidate that is that noise again would fail."""
+    def over(value: float | None, bound: float) -> bool:
+        return value is not None and value > bound
+
+    return (over(p.tf_kl_mean, t.regression_kl)
+            or (p.tf_same_top1_rate is not None and p.tf_same_top1_rate < t.regression_same_top1)
+            or (p.tf_max_flipped_margin is not None and p.tf_max_flipped_margin >= t.confident_margin)
+            or (p.golden_margin is not None and p.golden_margin >= t.confident_margin))
+
+
 def regressed_prompts(ids: Collection[str], regressed: Collection[str],
-                      envelopes: Mapping[str, PromptNoise]) -> tuple[int, int, int, int]:
+                      envelopes: Mapping[str, PromptNoise], t: Any) -> tuple[int, int, int, int]:
     """(candidate regressed, noise regressed, only the candidate, only the noise) over ``ids``:
-    the prompts the candidate regressed on (``regressed``) and those some arm regressed on."""
+    the prompts the candidate regressed on (``regressed``) and those some arm regressed on, as
+    it was scored or as its envelope reads under ``t`` (:func:`envelope_regresses`)."""
     mine = {pid for pid in ids if pid in regressed}
-    noise = {pid for pid in ids if pid in envelopes and envelopes[pid].regressed}
+    noise = {pid for pid in ids if pid in envelopes
+             and (envelopes[pid].regressed or envelope_regresses(envelopes[pid], t))}
     return len(mine), len(noise), len(mine - noise), len(noise - mine)
 
 
@@ -180,7 +197,7 @@ def _count_test(ids: Collection[str], regressed: Collection[str], envelopes: Map
                 t: Any) -> tuple[dict[str, Any], float, Callable[[float], bool]]:
     """The regressed-prompts test's fields, its raw p and its materiality given the adjusted p."""
     n = len(ids)
-    mine, noise, only_mine, only_noise = regressed_prompts(ids, regressed, envelopes)
+    mine, noise, only_mine, only_noise = regressed_prompts(ids, regressed, envelopes, t)
     p = mcnemar_greater(only_mine, only_noise)
     c_mean, n_mean = (mine / n, noise / n) if n else (0.0, 0.0)
     ratio = _ratio(c_mean, n_mean)
