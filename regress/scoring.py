@@ -213,7 +213,8 @@ def score_runs(
     from regress.quality import judge_quality
 
     quality = judge_quality([(s.prompt_id, s.tags, s.answer.golden_score, s.answer.candidate_score)
-                             for s in scores if s.answer is not None], t, sampled_ids=sampled)
+                             for s in scores if s.answer is not None], t, sampled_ids=sampled,
+                            choice_ids={pair.golden.prompt_id for pair in pairs if pair.golden.choices is not None})
     if quality is None and gate_by_default and gate == "quality":
         gate = "fidelity"  # nothing to judge quality by, and nobody asked for it by name
     gm, rm = golden.manifest, run.manifest

@@ -101,9 +101,10 @@ _LIMITS: dict[str, tuple[Any, Any]] = {
         "lower bound of the paired interval of its accuracy minus the golden's is above -quality_theta."))),
     "quality_power": (float, Field(0.8, gt=0.5, lt=1, description=(
         "Quality verdict: the power at which an inconclusive verdict's 'prompts needed' is computed."))),
-    "quality_min_slice": (int, Field(10, ge=2, description=(
-        "Quality verdict: a tag with at least this many answered prompts is a slice, with its own interval and "
-        "exact McNemar test (Holm-corrected over the slices); a slice significantly worse fails the verdict."))),
+    "quality_min_slice": (int, Field(5, ge=2, description=(
+        "Quality verdict: a tag (or kind of prompt) with at least this many answered prompts is a slice, with its "
+        "own interval and one-sided exact McNemar test (Tarone-corrected over the slices that could be worse); a "
+        "slice significantly worse by more than quality_theta fails the verdict."))),
     "confidence": (float, Field(0.95, ge=0.5, le=0.999, description=(
         "Confidence level of the rate intervals (Wilson score) in metrics.json and the rate gates."))),
     # Latency (regress.latency): judged apart from the outputs, in RunMetrics.latency_verdict.

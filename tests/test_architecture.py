@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "": 0,  # regress/__init__.py itself (its public names are imported lazily, by name)
     # L0 records and errors
     "errors": 0, "storage": 0, "records": 0, "home": 0, "redact": 0, "validation": 0, "plugins": 0,
-    "progress": 0, "stats": 0, "metrics.spec": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
+    "progress": 0, "stats": 0, "quality_stats": 0, "metrics.spec": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
     "engine.vocabulary": 0, "report.annotations": 0, "quantize_entry": 0, "untrusted": 0,
     "project_lock": 0, "watchdog": 0, "power.record": 0, "engine_args": 0, "prewarm": 0,
     # The packages whose modules have no common layer (their __init__ imports nothing): a new

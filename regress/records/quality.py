@@ -20,6 +20,9 @@ class QualitySlice(_Record):
     """Accuracy of one tag's answered prompts, golden against candidate, paired."""
 
     tag: str
+    """The tag, or for an automatic slice the kind of prompt (``kind: multiple choice``, ...)."""
+    automatic: bool = False
+    """A slice by kind of prompt (free text, multiple choice, sampled), made whatever the tags say."""
     prompts: int
     """Answered prompts with this tag."""
     golden_correct: float
@@ -35,12 +38,16 @@ class QualitySlice(_Record):
     high: float
     """The paired interval of the difference, at the scoring's confidence."""
     p_value: float
-    """Exact sign test (binomial) of lost against gained, two-sided: exact McNemar when every prompt
-    is answered once."""
+    """Exact sign test (binomial) that more prompts got worse than better, one-sided: exact McNemar
+    when every prompt is answered once."""
     p_adjusted: float
-    """Holm-corrected over the slices tested."""
+    """Corrected for the slices tested by Tarone's rule (times K, the slices whose most extreme
+    outcome could reach significance: :mod:`regress.quality_stats`); 1.0 for a slice not tested."""
+    tested: bool = True
+    """Counted in the correction: losing every answer the golden got right there would be significantly
+    and materially worse. A slice that could never be is shown, not tested."""
     worse: bool
-    """Significantly worse (p_adjusted below 1 - confidence, more lost than gained): fails the verdict."""
+    """Significantly worse (p_adjusted below 1 - confidence) and by more than ``theta``: fails the verdict."""
 
 
 class QualityVerdict(_Record):

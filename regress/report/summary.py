@@ -147,11 +147,11 @@ def quality_markdown(m: Any) -> list[str]:
         return ["**Quality:** no prompt with a checkable answer (`expected` or `choices`)."]
     lines = [f"**Quality: {q.verdict.upper()}**", ""] + [f"- {md_text(r)}" for r in q.reasons]
     if q.slices:
-        lines += ["", "| slice | prompts | golden | candidate | difference (points) | interval | Holm p |",
+        lines += ["", "| slice | prompts | golden | candidate | difference (points) | interval | p, corrected |",
                   "|---|---:|---:|---:|---:|---|---:|"]
         lines += [f"| {md_text(s.tag, cell=True)}{' ❌' if s.worse else ''} | {s.prompts:,} | {s.golden_correct:,g} | "
                   f"{s.candidate_correct:,g} | {s.difference * 100:+.1f} | {s.low * 100:+.1f} to {s.high * 100:+.1f} | "
-                  f"{s.p_adjusted:.2g} |" for s in q.slices]
+                  f"{f'{s.p_adjusted:.2g}' if s.tested else 'not tested'} |" for s in q.slices]
     return lines
 
 
