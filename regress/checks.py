@@ -172,7 +172,14 @@ def _score(params: Params, spec: CandidateSpec, *, golden_dir: Path | None, run_
     if noise is not None and params.noise is not None and params.noise.k != noise.k:
         noise = noise.model_copy(update={"k": params.noise.k})  # params' k wins: changing it re-scores only
     if prompt_set is None:
-        prompt_set = load_prompt_set(params.dataset) if params.dataset.exists() else None
+        if not params.dataset.exists():
+            # Its expected answers and tags are scored: without it the quality verdict would quietly
+            # judge fewer prompts, or fall back to fidelity (a DVC-tracked set not pulled, a moved file).
+            raise ConfigError(f"the prompt set {params.dataset} is missing: the golden {golden_run.path} was made "
+                              f"from it (sha256 {golden_run.manifest.dataset.sha256[:12]}) and its expected answers "
+                              "and tags are scored; restore it (`dvc pull`) or point `dataset` at it",
+                              file=str(params.path), field="dataset")
+        prompt_set = load_prompt_set(params.dataset)
     if prompt_set is not None and prompt_set.sha256 != golden_run.manifest.dataset.sha256:
         # Its expected answers and tags are scored: an edit since the golden would change the verdict.
         raise ConfigError(

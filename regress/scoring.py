@@ -149,6 +149,12 @@ def score_runs(
         check_teacher_forced(by_golden, run)
     pairs = [Pair(golden[pid], run[i], by_golden[pid] if by_golden is not None and pid in by_golden else None)
              for i, pid in enumerate(run.prompt_ids)]
+    with_choices = [p.golden.prompt_id for p in pairs if p.golden.choices is not None]
+    if with_choices and not any(info.name == "choices" for info, _ in metrics):
+        # Without the metric their picks are never made, and the prompts would silently leave the quality verdict.
+        raise ConfigError(f"{len(with_choices)} prompt(s) have 'choices' (first: {with_choices[0]}), but "
+                          "thresholds.metrics leaves out 'choices': their answers would not be judged; add 'choices' "
+                          "to thresholds.metrics", field="thresholds.metrics")
     values: list[dict[str, Any]] = [{} for _ in pairs]
     for info, fn in metrics:
         if info.batched:

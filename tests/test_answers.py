@@ -55,6 +55,13 @@ CORRECT = [
     ("x = −4", "-4"),  # U+2212 minus sign reads as '-'
     ("It is 3.", "3"),
     ("H2O", "h2o"),
+    ("İstanbul", "Istanbul"),  # Turkish dotted capital: case folding adds a combining dot, dropped
+    ("ISTANBUL", "İstanbul"),
+    ("x = –4", "-4"),  # an en dash as a minus reads as '-'
+    ("pages 3–4", "4"),  # a range: the dash follows a digit, so it is no sign
+    ("3/4 of them", "3/4"),
+    ("at 4:30", "4:30"),
+    ("Answer: 4", "4"),  # a colon after a word is no number's
 ]
 WRONG = [
     ("It is 14.", "4"),
@@ -71,6 +78,11 @@ WRONG = [
     ("", "4"),
     ("nothing here", "Paris"),
     ("北京", "上海"),
+    ("x = –4", "4"),  # en dash as a minus
+    ("about 3/4", "4"),  # a fraction is not its denominator
+    ("3/4", "3"),
+    ("at 4:30", "4"),  # a time is not its hour
+    ("at 4:30", "30"),
 ]
 
 
@@ -114,6 +126,8 @@ BAD_EXPECTED = [
     ("number-in-list", ["4", 4], "answer 2: must be a string, got a number (4)"),
     ("empty-in-list", ["Paris", ""], "answer 2: must not be empty"),
     ("list-in-list", [["Paris"]], "answer 1: must be a string, got a list"),
+    ("punctuation", ".", "holds no letter, digit or CJK character"),
+    ("punctuation-in-list", ["Paris", "?!"], "answer 2: '?!' holds no letter, digit or CJK character"),
 ]
 
 

@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "": 0,  # regress/__init__.py itself (its public names are imported lazily, by name)
     # L0 records and errors
     "errors": 0, "storage": 0, "records": 0, "home": 0, "redact": 0, "validation": 0, "plugins": 0,
-    "progress": 0, "stats": 0, "quality_stats": 0, "metrics.spec": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
+    "progress": 0, "stats": 0, "quality_stats": 0, "metrics.spec": 0, "metrics.answers": 0, "noise.record": 0, "diagnosis.record": 0, "replay.sink": 0,
     "engine.vocabulary": 0, "report.annotations": 0, "quantize_entry": 0, "untrusted": 0,
     "project_lock": 0, "watchdog": 0, "power.record": 0, "engine_args": 0, "prewarm": 0,
     # The packages whose modules have no common layer (their __init__ imports nothing): a new
@@ -41,7 +41,7 @@ LAYERS: dict[str, int] = {
     "backends.server_wire": 2, "backends.hf_reference": 2, "runner": 2, "fixture_model": 2, "pretrained": 2,
     "model_variants": 2, "quantize": 2, "backends.server_http": 2,
     # L3 replay and measures
-    "replay": 3, "metrics.tokens": 3, "metrics.teacher_forced": 3, "metrics.surface": 3, "metrics.answers": 3,
+    "replay": 3, "metrics.tokens": 3, "metrics.teacher_forced": 3, "metrics.surface": 3,
     "metrics.semantic": 3, "metrics.embedder": 3, "metrics.sampled": 3, "metrics.sampled_policy": 3,
     "metrics.aggregate": 3, "metrics.sample_scorer": 3, "scoring": 3, "noise.floor": 3, "noise.beyond": 3, "diagnosis.probes": 3, "diagnosis.attribute": 3,
     # L4 orchestration

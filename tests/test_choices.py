@@ -387,3 +387,18 @@ def test_a_choice_cut_by_the_context_is_an_input_error_naming_it():
 
     with pytest.raises(InputError, match="prompt 'mc', choice 0: the prompt \\(1 tokens\\) and the choice \\(3 tokens\\)"):
         score_choices(_Rows(cut=1), [{"id": "mc", "choices": [" ab", " c"], "answer": 1}], [[7]])
+
+
+@pytest.mark.engine
+def test_leaving_the_choices_metric_out_is_an_input_error_not_fewer_answers(choice_runs):
+    """Without the metric nothing picks a choice, and the prompts silently left the quality verdict
+    (with only choice prompts answered, it fell back to fidelity under `gate: auto`)."""
+    from regress.errors import ConfigError
+    from regress.scoring import score_runs
+    from regress.verdict import Thresholds
+
+    t = Thresholds(metrics=["exact_tokens", "divergence_point", "prefix_logprobs", "teacher_forced", "surface"])
+    with pytest.raises(ConfigError, match=r"field 'thresholds.metrics'.*have 'choices' \(first: mc-"):
+        score_runs(choice_runs["golden"], choice_runs["same"], t)
+    scored = score_runs(choice_runs["golden"], choice_runs["same"], Thresholds(metrics=[*t.metrics, "choices"]))
+    assert scored.metrics.quality is not None and scored.metrics.quality.prompts >= 1

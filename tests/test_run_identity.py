@@ -134,6 +134,21 @@ def test_score_refuses_a_prompt_set_changed_since_the_golden(project: Path, edit
     assert _tree(project / "scores") == before
 
 
+@pytest.mark.parametrize("command", [["score", "shifted", "--no-report"], ["check", "shifted"]])
+def test_a_missing_prompt_set_is_an_input_error_not_a_scoring_without_answers(project: Path, command) -> None:
+    """Its expected answers are what the quality verdict judges (`shifted` is gated on it): scored
+    without them, the verdict fell back to fidelity and said nothing of the set being gone."""
+    (project / "p.jsonl").unlink()
+    before = _tree(project / "scores")
+    result = run_cli(*command, cwd=project)
+    assert result.returncode == 2, result.stderr
+    text = " ".join(result.stderr.split())
+    assert "p.jsonl" in text
+    if command[0] == "score":  # a check stops sooner, at the replay's own reading of the set
+        assert "field 'dataset'" in text and "p.jsonl is missing" in text and "dvc pull" in text
+    assert _tree(project / "scores") == before
+
+
 def test_a_scoring_of_a_replaced_run_neither_gates_nor_renders(project: Path) -> None:
     # `same` replayed again with other outputs: its stored PASS is of outputs that are gone.
     params = project / "params.yaml"

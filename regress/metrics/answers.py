@@ -8,8 +8,9 @@ collapsing every run of whitespace to one space. Containment is guarded at the a
   ``_`` of the output, so ``4`` is not found in ``14`` or ``40``, ``Paris`` not in ``Parisian``
   (a single word or number matches on word boundaries; a phrase such as ``New York`` too);
 - an answer that starts or ends with a digit is not found inside a longer number: not before or
-  after a decimal or thousands separator next to a digit (``4`` is not in ``4.5`` or ``4,000``),
-  and not right after a minus sign (``4`` is not in ``-4``; ``2-4`` still has it);
+  after a decimal or thousands separator, a fraction's slash or a time's colon next to a digit
+  (``4`` is not in ``4.5``, ``4,000``, ``3/4`` or ``4:30``), and not right after a minus sign (``4``
+  is not in ``-4`` or ``–4`` with an en dash; ``2-4`` still has it);
 - CJK characters (Han, kana, Hangul) are never a boundary: CJK text is written without spaces,
   so a CJK answer is plain containment (``北京`` is in ``中国的首都是北京。``) and a number or a
   Latin word next to CJK text still matches (``4`` is in ``答案是4。``).
@@ -30,15 +31,25 @@ _CJK = re.compile(
 )
 """Han (with radicals and iteration marks), Hiragana, Katakana, Bopomofo and Hangul."""
 _MINUS = "-"
-"""A minus sign (:func:`normalise` writes U+2212 as ``-``)."""
-_SEPARATORS = ".,"
-"""Decimal and thousands separators: a digit beyond one continues the number."""
+"""A minus sign (:func:`normalise` writes U+2212 and the figure and en dashes as ``-``)."""
+_DASHES = str.maketrans({"\u2212": "-", "\u2012": "-", "\u2013": "-"})
+_SEPARATORS = ".,/:"
+"""Decimal and thousands separators, a fraction's slash, a time's colon: a digit beyond one
+continues the number."""
 
 
 def normalise(text: str) -> str:
-    """NFKC, case-folded, every run of whitespace one space, stripped, U+2212 as ``-``: the form
-    answers are compared in."""
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().replace("\u2212", "-").split())
+    """NFKC, case-folded, every run of whitespace one space, stripped, the minus sign and the
+    figure and en dashes as ``-``, the combining dot above dropped (case folding turns Turkish
+    ``İ`` into ``i`` + U+0307, which would never match ``I``): the form answers are compared in."""
+    folded = unicodedata.normalize("NFKC", text).casefold().replace("\u0307", "")
+    return " ".join(folded.translate(_DASHES).split())
+
+
+def has_substance(answer: str) -> bool:
+    """Whether an answer holds a letter, a digit or a CJK character: one of punctuation alone
+    (``.``) would be found in almost any output."""
+    return any(ch.isalnum() or _is_cjk(ch) for ch in normalise(answer))
 
 
 def _is_cjk(ch: str) -> bool:

@@ -110,9 +110,14 @@ class PromptRecord(_Strict):
     def _expected_answers(cls, value: Any) -> Any:
         if value is None:
             return None
+        from regress.metrics.answers import has_substance
+
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError("must not be empty")
+            if not has_substance(value):
+                raise ValueError(f"{value!r} holds no letter, digit or CJK character: almost any output "
+                                 "would contain it")
             return [value]
         if not isinstance(value, list):
             raise ValueError(f"must be a string or a list of strings (accepted answers), got {_json_type(value)}")
@@ -124,6 +129,9 @@ class PromptRecord(_Strict):
                 raise ValueError(f"{where}must be a string, got {_json_type(answer)}")
             if not answer.strip():
                 raise ValueError(f"{where}must not be empty")
+            if not has_substance(answer):
+                raise ValueError(f"{where}{answer!r} holds no letter, digit or CJK character: almost any "
+                                 "output would contain it")
         return value
 
     @field_validator("id")
