@@ -5,8 +5,13 @@ measure drift: that is the real server's job.
 It answers like vLLM, in the wire format regress asks for (``return_tokens_as_token_ids``,
 ``logprobs``, ``prompt_logprobs``, ``return_token_ids``), streamed or not, for ``/v1/completions``
 and ``/v1/chat/completions``, with made-up but well-formed tokens: output token j of a prompt is
-``(sum(prompt) + 7 j + 1) % vocab``, ranked first with logprob -0.1, the others of its top-k after
-it. Then a test makes it hostile:
+``(sum(prompt) + 7 j + 1) % vocab`` (or what ``outputs(prompt, n)`` chooses), ranked first with
+logprob -0.1, the others of its top-k after it. Their text is what vLLM's server sends for them:
+where ``model`` is a directory with a ``tokenizer.json``, each chunk's text is what a
+``tokenizers`` DecodeStream primed with the prompt emits for its token (special tokens skipped, a
+character split across tokens sent with its last byte, the last token left undecoded when
+``finish`` is ``stop``, as vLLM does for EOS); for a model that is only a name, ``w<id> ``. Then a
+test makes it hostile:
 
 - ``mode``: ``ok``; ``other-model`` (serves another model name); ``no-logprobs`` (answers
   completions without logprobs or token ids);
@@ -34,6 +39,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable
 
 VOCAB = 1024  # the fixture model's (regress.fixture_model.VOCAB_SIZE)
@@ -48,6 +54,16 @@ def _top(token: int, k: int, vocab: int) -> list[tuple[int, float]]:
     return [(token, -0.1)] + [((token + r) % vocab, -0.1 - r) for r in range(1, k)]
 
 
+def _tokenizer(model: str) -> Any:
+    """The model's tokenizer where ``model`` is a directory holding one (else None: a name)."""
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
@@ -56,8 +72,11 @@ class FakeOpenAIServer:
     def __init__(self, model: str, *, mode: str = "ok", key: str | None = None, vocab: int = VOCAB,
                  max_model_len: Any = 4096, reported_max_model_len: Any = "the truth", tamper: Callable[[str, Any, dict[str, Any]], Any] | None = None,
                  routes: dict[str, Callable[[BaseHTTPRequestHandler], None]] | None = None,
-                 unix_socket: str | None = None, port: int = 0, log: str | None = None):
+                 unix_socket: str | None = None, port: int = 0, log: str | None = None,
+                 outputs: Callable[[list[int], int], list[int]] | None = None, finish: str = "length"):
         self.model, self.mode, self.key, self.vocab = model, mode, key, vocab
+        self.outputs, self.finish = outputs, finish
+        self._tokenizer = _tokenizer(model)
         self.max_model_len, self.tamper, self.routes = max_model_len, tamper, dict(routes or {})
         self.reported = max_model_len if reported_max_model_len == "the truth" else reported_max_model_len
         self.requests: list[tuple[str, str, dict[str, str]]] = []
@@ -164,6 +183,21 @@ class FakeOpenAIServer:
 
     # -- answers ------------------------------------------------------------------------
 
+    def _tokens(self, prompt: list[int], n: int) -> list[int]:
+        if self.outputs is not None:
+            return list(self.outputs(prompt, n))[:n]
+        return [output_token(prompt, j, self.vocab) for j in range(n)]
+
+    def _pieces(self, prompt: list[int], tokens: list[int]) -> list[str]:
+        """The text each output token adds, as vLLM's server streams it (module docstring)."""
+        if self._tokenizer is None:
+            return [f"w{t} " for t in tokens]
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+        decoded = tokens[:-1] if self.finish == "stop" else tokens
+        return [stream.step(self._tokenizer, t) or "" for t in decoded] + [""] * (len(tokens) - len(decoded))
+
     def _tampered(self, kind: str, value: Any, body: dict[str, Any]) -> Any:
         return self.tamper(kind, value, body) if self.tamper is not None else value
 
@@ -183,7 +217,9 @@ class FakeOpenAIServer:
         if self.mode == "no-logprobs":
             return {"object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": "length",
                                                               "logprobs": None}]}
-        tokens = [output_token(prompt, j, self.vocab) for j in range(n)]
+        tokens = self._tokens(prompt, n)
+        pieces = self._pieces(prompt, tokens)
+        last = self.finish if n else "length"
 
         def logprobs(some: list[int]) -> dict[str, Any]:
             return {"tokens": [f"token_id:{t}" for t in some], "token_logprobs": [-0.1 for _ in some],
@@ -192,11 +228,11 @@ class FakeOpenAIServer:
         if body.get("stream"):
             lines = []
             for j, token in enumerate(tokens):
-                choice = {"index": 0, "text": f"w{token} ", "logprobs": logprobs([token]),
-                          "finish_reason": "length" if j == n - 1 else None}
+                choice = {"index": 0, "text": pieces[j], "logprobs": logprobs([token]),
+                          "finish_reason": last if j == len(tokens) - 1 else None}
                 lines.append(b"data: " + json.dumps({"object": "text_completion", "choices": [choice]}).encode())
             return self._tampered("stream", lines + [b"data: [DONE]"], body)
-        choice: dict[str, Any] = {"index": 0, "text": "".join(f"w{t} " for t in tokens), "finish_reason": "length",
+        choice: dict[str, Any] = {"index": 0, "text": "".join(pieces), "finish_reason": last,
                                   "logprobs": logprobs(tokens)}
         if body.get("prompt_logprobs") is not None:
             pk = int(body["prompt_logprobs"])
@@ -209,7 +245,9 @@ class FakeOpenAIServer:
         prompt = [1, 2, 3, len(body.get("messages") or [])]  # "the server's own rendering"
         n = int(body.get("max_tokens") or 1)
         top_n = int(body.get("top_logprobs") or 1)
-        tokens = [output_token(prompt, j, self.vocab) for j in range(n)]
+        tokens = self._tokens(prompt, n)
+        pieces = self._pieces(prompt, tokens)
+        last = self.finish if n else "length"
 
         def content(token: int) -> dict[str, Any]:
             return {"token": f"token_id:{token}", "logprob": -0.1,
@@ -220,13 +258,13 @@ class FakeOpenAIServer:
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}]}).encode()]
             for j, token in enumerate(tokens):
-                choice = {"index": 0, "delta": {"content": f"w{token} "}, "logprobs": {"content": [content(token)]},
-                          "token_ids": [token], "finish_reason": "length" if j == n - 1 else None}
+                choice = {"index": 0, "delta": {"content": pieces[j]}, "logprobs": {"content": [content(token)]},
+                          "token_ids": [token], "finish_reason": last if j == len(tokens) - 1 else None}
                 lines.append(b"data: " + json.dumps({"choices": [choice]}).encode())
             return self._tampered("stream", lines + [b"data: [DONE]"], body)
         return self._tampered("json", {"prompt_token_ids": prompt, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(f"w{t} " for t in tokens)},
-            "logprobs": {"content": [content(t) for t in tokens]}, "token_ids": tokens, "finish_reason": "length"}]},
+            "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
+            "logprobs": {"content": [content(t) for t in tokens]}, "token_ids": tokens, "finish_reason": last}]},
             body)
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -310,6 +310,37 @@ def test_regress_starts_and_stops_its_own_server(server_workspace: Path):
     assert manifest["effective"]["server"]["url"] == f"unix:{socket_path}"
 
 
+@pytest.mark.engine
+def test_the_real_servers_text_is_what_its_ids_decode_to(served: str, fixture_model: Path, monkeypatch):
+    """The check of text against ids (regress.backends.server_text) passes what the real server
+    sends: texts cut before stop strings (English and Chinese ones, one deferred by min_tokens),
+    outputs free to stop at EOS, and characters split across tokens, held back at an output's end."""
+    from regress.backends.base import GenerationRequest
+    from regress.backends.vllm_server import VllmServerBackend
+    from regress.datasets import FIXTURE_PROMPTS
+    from regress.records import ResolvedSampling
+
+    monkeypatch.setenv(KEY_VARIABLE, KEY_VALUE)
+    backend = VllmServerBackend({"model": str(fixture_model), "backend": "server",
+                                 "server": {"url": served, "api_key_env": KEY_VARIABLE, "concurrency": 4}})
+    backend.load()
+    prompts = [p for p in map(json.loads, FIXTURE_PROMPTS.read_text(encoding="utf-8").splitlines()) if "prompt" in p]
+    requests = [GenerationRequest(backend.render(p), ResolvedSampling(
+        max_tokens=tokens, logprobs=3, stop=stop, min_tokens=least, explicit=["stop", "min_tokens"]).model_dump())
+        for stop, least, tokens in ((["e"], 0, 64), (["\n", "的"], 0, 64), (["th", "。"], 5, 64), ([], 0, 160))
+        for p in prompts]
+    outputs = backend.generate(requests, lambda n: None)  # a text its ids do not hold: ServerReplyError
+    decode = backend.get_tokenizer().backend_tokenizer.decode
+    kinds = Counter()
+    for request, output in zip(requests, outputs):
+        prompt = list(request.prompt_token_ids)
+        whole = decode(prompt + output.output_token_ids, skip_special_tokens=True)[len(decode(prompt)):]
+        kinds[output.finish_reason, "whole" if output.text == whole else "cut" if whole.startswith(output.text)
+              else "other"] += 1
+    print(f"real server answers, by finish reason and text: {dict(kinds)}")
+    assert kinds["stop", "cut"] >= 40 and not kinds["length", "other"] and not kinds["stop", "other"], kinds
+
+
 # -- pre-run errors -----------------------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ A streamed completion or chat completion becomes a checked
 :class:`~regress.backends.base.RawGeneration` (:func:`read_completion`, :func:`read_chat`): one
 choice per chunk, the one asked for; text only with the tokens it comes from; a finish reason that
 says the output is whole, and nothing after it. The token ids and logprob rows of every answer are
-read by :mod:`regress.backends.server_rows` (re-exported here). The small answers of the pre-run
+read by :mod:`regress.backends.server_rows` (re-exported here), and the text is checked against the
+ids by :mod:`regress.backends.server_text`. The small answers of the pre-run
 checks are read here too: ``/version`` (:func:`server_version`), ``/v1/models``
 (:func:`served_models`) and the one choice of an answer that is not streamed (:func:`one_choice`).
 
@@ -34,6 +35,7 @@ from regress.backends.server_rows import (  # noqa: F401  (re-exported: the back
     stream_rows,
     token_ids,
 )
+from regress.backends.server_text import TextCheck
 from regress.errors import ServerReplyError
 
 FINISH_REASONS = frozenset({"stop", "length", "repetition"})
@@ -221,6 +223,8 @@ class _StreamTally:
         self.entries: list[Any] = []
         self.text: list[str] = []
         self.finish: Any = None
+        self.last = 0
+        """Tokens of the last chunk that had any: the server's last step (where a stop string ends)."""
 
     def add(self, choice: dict[str, Any], piece: str, tokens: list[Any], entries: list[Any]) -> None:
         if self.finish is not None:
@@ -238,6 +242,7 @@ class _StreamTally:
                 self.first = time.perf_counter()
             self.tokens += tokens
             self.entries += entries
+            self.last = len(tokens)
         self.text.append(piece)
         self.finish = choice.get("finish_reason")
 
@@ -259,10 +264,12 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab: int | None) -> RawGeneration:
+async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab: int | None, *,
+                          text_check: TextCheck | None) -> RawGeneration:
     """One streamed completion (``payload`` asks ``logprobs`` k with ``return_tokens_as_token_ids``):
     every chunk with text has ``logprobs`` and one ``top_logprobs`` row per token, and the stream
-    ends with a finish reason and ``[DONE]``. ``client`` is a
+    ends with a finish reason and ``[DONE]``; the text is what the ids decode to after the prompt
+    (``text_check``; None only where a test reads the wire format alone). ``client`` is a
     :class:`~regress.backends.server_http.ServerClient`."""
     k = int(payload["logprobs"])
     max_tokens = int(payload["max_tokens"])
@@ -282,14 +289,18 @@ async def read_completion(client: Any, path: str, payload: dict[str, Any], vocab
             tally.add(choice, piece, new, rows)
     text, reason, timing = tally.finished(max_tokens)
     ids, logprob_rows = stream_rows(tally.tokens, tally.entries, k, vocab)
+    if text_check is not None:
+        text_check.check(text, ids, payload["prompt"], reason, payload.get("stop"), tally.last)
     return RawGeneration(output_token_ids=ids, text=text, finish_reason=reason, logprobs=logprob_rows, timing=timing)
 
 
 async def read_chat(client: Any, path: str, payload: dict[str, Any], k: int, prompt_tokens: int,
-                    vocab: int | None) -> RawGeneration:
+                    vocab: int | None, *, text_check: TextCheck | None) -> RawGeneration:
     """One streamed chat completion: the prompt's token ids (``return_token_ids``) from a chunk,
     then each chunk's ``token_ids`` with as many ``logprobs.content`` entries; the stream ends with
-    a finish reason and ``[DONE]``. ``prompt_tokens``: regress's own count, for the byte limit."""
+    a finish reason and ``[DONE]``; the content is what the ids decode to after the prompt ids the
+    server reports (``text_check``, as for :func:`read_completion`). ``prompt_tokens``: regress's
+    own count, for the byte limit."""
     max_tokens = int(payload["max_tokens"])
     prompt_ids: list[int] | None = None
     tally = _StreamTally()
@@ -317,6 +328,9 @@ async def read_chat(client: Any, path: str, payload: dict[str, Any], k: int, pro
     if not prompt_ids:
         raise ServerReplyError("no prompt_token_ids for a chat request (return_token_ids)")
     text, reason, timing = tally.finished(max_tokens)
+    rows = chat_rows(tally.tokens, tally.entries, k, vocab)
+    if text_check is not None:
+        text_check.check(text, tally.tokens, prompt_ids, reason, payload.get("stop"), tally.last, what="content")
     return RawGeneration(output_token_ids=tally.tokens, text=text, finish_reason=reason,
-                         logprobs=chat_rows(tally.tokens, tally.entries, k, vocab), prompt_token_ids=prompt_ids,
+                         logprobs=rows, prompt_token_ids=prompt_ids,
                          timing=timing)

@@ -26,7 +26,9 @@ and a byte limit and follows no redirect (:mod:`regress.backends.server_http`); 
 with a finish reason and ``[DONE]`` and hold nothing after the finish reason; every piece of text
 and every token must come with its ids and a full top-k row of finite logprobs <= 0 and ids in the
 vocabulary, a row that agrees with itself (:mod:`regress.backends.server_wire`,
-:mod:`regress.backends.server_rows`). A violation is a :class:`~regress.errors.ServerReplyError`
+:mod:`regress.backends.server_rows`); and the text must be what those ids decode to with the
+candidate's tokenizer, as vLLM's server detokenizes (:mod:`regress.backends.server_text`: exact
+match is scored on the ids, the text metrics on the text). A violation is a :class:`~regress.errors.ServerReplyError`
 naming the request (the engine process names the prompt): exit 3, never a score.
 
 The server process is :mod:`regress.backends.server_process`; the parsing of its answers
@@ -83,6 +85,7 @@ from regress.backends.server_wire import (
 )
 from regress.backends.server_sampling import (PROBE_TEXT, defaults_from_log, left_to_server, probe_requests,
                                               probe_result, probe_tokens, sent_fields)
+from regress.backends.server_text import TextCheck
 from regress.errors import InputError, ServerHTTPError, ServerReplyError
 
 ENDPOINT = "/v1/completions"
@@ -114,6 +117,7 @@ class VllmServerBackend(EngineBackend):
         self.started = self.base_url is None
         self._server: ServerProcess | None = None
         self._tokenizer: Any = None
+        self._text_check: TextCheck | None = None
         self._api_key: str | None = None
         self._max_model_len: int | None = None
         self._server_version: str | None = None
@@ -429,11 +433,18 @@ class VllmServerBackend(EngineBackend):
                 raise ServerReplyError(str(exc), url=f"{self._shown}{ENDPOINT} (the sampling defaults probe)") from None
         return probe_result(answers)
 
+    def _texts(self) -> TextCheck:
+        """The check of every answer's text against its ids (the tokenizer regress renders with)."""
+        if self._text_check is None:
+            self._text_check = TextCheck(self.get_tokenizer())
+        return self._text_check
+
     async def _send(self, client: ServerClient, item: tuple[int, int, dict[str, Any]]) -> RawGeneration:
         k, prompt_tokens, payload = item
         if "messages" in payload:
-            return await read_chat(client, CHAT_ENDPOINT, payload, k, prompt_tokens, self._vocab)
-        return await read_completion(client, ENDPOINT, payload, self._vocab)
+            return await read_chat(client, CHAT_ENDPOINT, payload, k, prompt_tokens, self._vocab,
+                                   text_check=self._texts())
+        return await read_completion(client, ENDPOINT, payload, self._vocab, text_check=self._texts())
 
     def generate(self, requests: list[GenerationRequest], progress: ProgressCallback) -> list[RawGeneration]:
         items = [(int(r.sampling["logprobs"]), len(r.prompt_token_ids), self._payload(r)) for r in requests]
