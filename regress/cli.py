@@ -425,7 +425,7 @@ def diff_command(
     engine), read from params.yaml and the model and tokenizer files: no engine starts. When both
     have run (the golden, runs/<name>), also what differs in the configuration as their engines
     applied it (the manifests' effective configuration) and in the packages their environments
-    held besides the engine package."""
+    held besides the engine package; a manifest there that does not read is exit 2, naming it."""
     import json as _json
 
     from regress.config import load_params

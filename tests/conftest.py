@@ -21,6 +21,18 @@ REPO = Path(__file__).resolve().parent.parent
 # other worker holds a core, which made SmolLM2's generation 5x slower (16 instead of 87 tokens/s,
 # docs/benchmarks.md "Test suite"). Engine subprocesses inherit it; a candidate's own `env` wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What vLLM and torch compile (Inductor's kernels, the precompiled header) is code, so each regress
+# command keeps its own (regress/engine/caches.py); the session is one job and gives every command
+# one directory instead (made here, before pytest-xdist starts its workers, which inherit it), or
+# each engine-starting test would compile again. Removed by the process that made it.
+if not os.environ.get("REGRESS_COMPILE_CACHE"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["REGRESS_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="regress-test-compile-")
+    atexit.register(lambda path=os.environ["REGRESS_COMPILE_CACHE"], pid=os.getpid():
+                    os.getpid() == pid and shutil.rmtree(path, ignore_errors=True))
 from regress.datasets import FIXTURE_PROMPTS, write_demo_prompts  # noqa: E402
 
 # Engine settings every test candidate shares: CPU KV cache of 1 GiB (the default fraction of

@@ -94,26 +94,86 @@ def test_regress_diff_command(base: Path, tmp_path: Path) -> None:
     assert unknown.returncode == 2 and "no candidate named 'nope'" in unknown.stderr
 
 
-def test_regress_diff_adds_what_the_engines_applied_once_both_have_run(base: Path, tmp_path: Path) -> None:
-    """With the golden's and the candidate run's manifests, ``regress diff`` also lists the
-    effective-configuration rows that differ (what only the engines know)."""
+def _fp8_project(base: Path, root: Path, *, run: bool = True) -> None:
+    """params.yaml with a baseline and an ``fp8`` candidate under ``root``; with ``run``, the
+    golden's and runs/fp8's manifests too, their effective KV-cache dtypes differing."""
     from report_fixtures import build_case
     from regress.records import EffectiveConfig
 
-    case = build_case(tmp_path / "case", 4)
     params = {"dataset": "prompts.jsonl", "baseline": {"model": str(base)},
               "candidates": {"fp8": {"engine_args": {"kv_cache_dtype": "fp8"}}}}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    assert "as the engines applied it" not in run_cli("diff", "fp8", cwd=tmp_path).stdout  # nothing has run
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    if not run:
+        return
+    case = build_case(root / "case", 4, semantic=False)
     for where, name, kv in (("golden", "baseline", "auto"), ("runs/fp8", "fp8", "fp8_e4m3")):
         m = case.golden.manifest
         m = m.model_copy(update={"candidate": m.candidate.model_copy(update={"name": name}),
                                  "effective": EffectiveConfig(kv_cache_dtype=kv, max_model_len=4096)})
-        (tmp_path / where).mkdir(parents=True)
-        (tmp_path / where / "manifest.json").write_text(m.model_dump_json())
+        (root / where).mkdir(parents=True)
+        (root / where / "manifest.json").write_text(m.model_dump_json())
+
+
+def test_regress_diff_adds_what_the_engines_applied_once_both_have_run(base: Path, tmp_path: Path) -> None:
+    """With the golden's and the candidate run's manifests, ``regress diff`` also lists the
+    effective-configuration rows that differ (what only the engines know)."""
+    _fp8_project(base, tmp_path, run=False)
+    assert "as the engines applied it" not in run_cli("diff", "fp8", cwd=tmp_path).stdout  # nothing has run
+    _fp8_project(base, tmp_path)
     shown = run_cli("diff", "fp8", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "as the engines applied it (the runs' manifests):\n  KV-cache dtype: auto -> fp8_e4m3" in shown.stdout
     assert "max model len" not in shown.stdout.split("as the engines applied it")[1]  # only what differs
     as_json = json.loads(run_cli("diff", "fp8", "--json", cwd=tmp_path).stdout)
     assert as_json["applied_differences"] == [{"setting": "KV-cache dtype", "baseline": "auto", "candidate": "fp8_e4m3"}]
+
+
+def _damaged(text: str) -> bytes:
+    """A manifest whose candidate is not a candidate (valid JSON of the right format version)."""
+    data = json.loads(text)
+    data["candidate"] = ["not", "a", "candidate"]
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda text: b'{"format_version": ', "unreadable manifest"),  # cut short: not JSON
+    (lambda text: b"\xff\xfe" + text.encode(), "unreadable manifest"),  # not UTF-8
+    (_damaged, "at candidate"),  # JSON, but not a manifest: the field is named
+])
+def test_regress_diff_says_when_a_runs_manifest_is_damaged(base: Path, tmp_path: Path, damage, says: str) -> None:
+    """A damaged manifest of a run that ``regress diff`` reads is exit 2 naming the file (and the
+    field), in text and JSON alike; it was skipped, and the applied-configuration section left out
+    as if the candidate had never run."""
+    _fp8_project(base, tmp_path)
+    manifest = tmp_path / "runs" / "fp8" / "manifest.json"
+    manifest.write_bytes(damage(manifest.read_text()))
+    for args in (("diff", "fp8"), ("diff", "fp8", "--json")):
+        shown = run_cli(*args, cwd=tmp_path)
+        assert shown.returncode == 2, (shown.stdout, shown.stderr)
+        assert "runs/fp8/manifest.json" in shown.stderr and says in shown.stderr
+        assert "Traceback" not in shown.stderr and "as the engines applied it" not in shown.stdout
+
+
+def test_regress_diff_says_when_the_goldens_manifest_is_damaged(base: Path, tmp_path: Path) -> None:
+    """The golden's manifest is read for the baseline's side: damaged, it is named too (exit 2)."""
+    from regress.errors import StorageError
+    from regress.report.configdiff import applied_differences
+
+    _fp8_project(base, tmp_path)
+    golden = tmp_path / "golden" / "manifest.json"
+    golden.write_text("[]")
+
+    class Project:  # the two places regress.config.Params names
+        def golden_dir(self) -> Path:
+            return tmp_path / "golden"
+
+        def run_dir(self, name: str) -> Path:
+            return tmp_path / "runs" / name
+
+    with pytest.raises(StorageError, match="golden/manifest.json"):
+        applied_differences(Project(), "baseline", "fp8")
+    shown = run_cli("diff", "fp8", cwd=tmp_path)
+    assert shown.returncode == 2 and "golden/manifest.json" in shown.stderr, (shown.stdout, shown.stderr)
+    golden.unlink()  # not run (yet) is not damage: the section is left out, exit 0
+    shown = run_cli("diff", "fp8", "--json", cwd=tmp_path)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["applied_differences"] is None

@@ -275,7 +275,8 @@ def test_the_default_backend_versions_are_python_and_numpy():
 def test_each_environment_has_its_own_vllm_cache(tmp_path, monkeypatch):
     """vLLM's model-info cache is stamped with its version's source hash: two versions sharing one
     cache overwrite each other's entry and pay a subprocess import at every start. Each
-    environment gets its own, under REGRESS_HOME; a candidate's setting or the user's wins."""
+    environment gets its own, its model-class facts under REGRESS_HOME (the rest of the root is
+    private to the command: tests/test_engine_caches.py); a candidate's setting or the user's wins."""
     from regress.engine.client import _prepare_shim
 
     monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
@@ -286,8 +287,9 @@ def test_each_environment_has_its_own_vllm_cache(tmp_path, monkeypatch):
         (tmp_path / f"s{i}").mkdir()
         roots.append(_prepare_shim(CandidateSpec(name="c", model="m"), tmp_path / f"s{i}", python=python)["VLLM_CACHE_ROOT"])
     assert roots[0] != roots[1] and roots[0] == roots[2]
-    assert all(Path(r).parent == tmp_path / "home" / "vllm-cache" for r in roots)
+    assert all((Path(r) / "modelinfos").resolve().parent.parent == tmp_path / "home" / "vllm-cache" for r in roots)
     assert Path(roots[0]).name.startswith("vllm-0.31-")
+    assert (Path(roots[0]) / "modelinfos").resolve() != (Path(roots[1]) / "modelinfos").resolve()
     own = CandidateSpec(name="c", model="m", env={"VLLM_CACHE_ROOT": "/srv/vllm-cache"})
     (tmp_path / "s3").mkdir()
     assert _prepare_shim(own, tmp_path / "s3", python=old)["VLLM_CACHE_ROOT"] == "/srv/vllm-cache"

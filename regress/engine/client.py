@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import regress
+from regress.engine.caches import SHIM_PREFIX, set_cache_environment
 from regress.engine.protocol import (
     INPUT_ERROR,
     EngineInfo,
@@ -49,7 +50,6 @@ from regress.engine.protocol import (
 )
 from regress.envs.spec import FOREIGN_INTERPRETER_VARIABLES
 from regress.errors import EngineError, InputError
-from regress.home import vllm_cache_root
 from regress.records import CandidateSpec
 from regress.redact import without_secrets
 from regress.watchdog import register_child, unregister_child
@@ -340,9 +340,6 @@ class EngineProcess:
         )
 
 
-SHIM_PREFIX = "regress-shim-"
-
-
 def _prepare_shim(candidate: CandidateSpec, shim: Path, *, python: Path) -> dict[str, str]:
     """Fill the engine process's private directory ``shim`` (the regress package, a temp
     directory) and return the process's environment variables for the engine run by ``python``."""
@@ -365,21 +362,13 @@ def _prepare_shim(candidate: CandidateSpec, shim: Path, *, python: Path) -> dict
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), candidate.env.get("PYTHONPATH")) if p)
     # vLLM leaves a file in the temp directory per engine start (its distributed init file,
     # never removed because the engine process exits without teardown): give the engine a
-    # private temp directory that goes with the shim. torch's caches stay where they would
-    # be, so later engine processes reuse them: the compile cache through its variable, and
-    # the precompiled C++ headers (always under TMPDIR/torchinductor_<user>, whatever the
-    # variable says) through a link. Without the link every engine start spent 5-6 s
-    # precompiling a header inside its first generate call (measured with py-spy on
-    # SmolLM2-135M: regress's generation 33-36 s against a bare script's 22-29 s).
-    shared_cache = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}"
-    shared_cache.mkdir(mode=0o700, exist_ok=True)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(shared_cache))
+    # private temp directory that goes with the shim.
     private_tmp = shim / "tmp"
     private_tmp.mkdir()
-    (private_tmp / shared_cache.name).symlink_to(shared_cache, target_is_directory=True)
     env["TMPDIR"] = str(private_tmp)
-    # vLLM's cache, one per environment (regress.home.vllm_cache_root says why).
-    env.setdefault("VLLM_CACHE_ROOT", str(vllm_cache_root(python)))
+    # vLLM's and torch's caches: JSON shared, code where only this user can write
+    # (regress.engine.caches says what is loaded how).
+    set_cache_environment(env, python=python, private_tmp=private_tmp, chosen=candidate.env)
     return env
 
 
@@ -399,16 +388,6 @@ def remove_stale_shims(directory: str | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:  # alive, someone else's
             pass
-
-
-def _user() -> str:
-    """The user name torch puts in its default cache directory name."""
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid_{os.getuid()}"
 
 
 def _die_with_parent() -> None:

@@ -222,15 +222,19 @@ def applied_input_defaults_drift(p: "Params", baseline: str, candidate: str) -> 
 def _run_manifest(p: "Params", name: str, recorded: Callable[[RunManifest], bool] = lambda m: m.effective is not None
                   ) -> RunManifest | None:
     """The manifest of a candidate's run that records what ``recorded`` asks (by default its
-    effective configuration): the golden for the candidate that made it, runs/<name> for the others."""
-    from regress.errors import RegressError
-    from regress.runs import read_manifest
+    effective configuration): the golden for the candidate that made it, runs/<name> for the others.
+
+    A place without a manifest has not run and is passed over (None where neither has one); a
+    manifest that is there but cannot be read, is not JSON or is not a manifest is
+    :class:`~regress.errors.StorageError` naming the file and the field (exit 2), as for every
+    command that reads a run: skipping it would print less and look like "nothing differs"."""
+    from regress.runs import MANIFEST, read_manifest
 
     for where in (p.golden_dir(), p.run_dir(name)):
-        try:
-            m = read_manifest(where)
-        except (RegressError, OSError, ValueError):
+        path = where / MANIFEST
+        if not (path.exists() or path.is_symlink()):  # not run yet (or unfinished): nothing to compare
             continue
+        m = read_manifest(where)
         if m.candidate.name == name and recorded(m):
             return m
     return None
