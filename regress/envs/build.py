@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from regress.envs.failures import (BuildFailure, classify_os_error, classify_pip, classify_probe, classify_venv,
-                                   diagnosis_lines, unlisted)
+                                   diagnosis_lines, unlisted, pinned_version_problem)
 from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _record_content
 from regress.envs.lock import _lock
 from regress.envs.lockfile import (EnvLock, constraint_args, has_lock, locked_distributions, pins_in_conflict, read_lock,
@@ -294,6 +294,10 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
             fh.write(probe.stderr)
         raise fail("the new environment cannot import numpy and transformers", classify_probe(probe.stderr))
     freeze = _probe(python, "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
+    if freeze.returncode == 0 and base is None:
+        problem = pinned_version_problem(spec.package, json.loads(freeze.stdout))
+        if problem:
+            raise fail(problem, BuildFailure(False, "another build installed under the pinned version"))
     info = {
         "format_version": ENV_FORMAT_VERSION,
         "package": spec.package,

@@ -173,3 +173,35 @@ def classify_venv(log: str) -> BuildFailure:
     if _DISK_FULL.search(log):
         return BuildFailure(True, "disk full")
     return BuildFailure(True, "python -m venv failed")
+
+
+def pinned_version_problem(requirement: str, installed: dict[str, str]) -> str | None:
+    """What is wrong with the version pip installed for an exact pin (``name==X``, no local
+    label): PEP 440 has ``==X`` match ``X+anything``, and pip then takes the highest, so an index
+    that also lists ``X+evil`` (a local build, a mirror's own) would be installed and checked as
+    if it were X. None when it is X, or when ``requirement`` is not such a pin. ``installed``:
+    distribution name -> version, as the environment's metadata says."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement:
+        return None
+    pins = [s for s in req.specifier if s.operator == "==" and "*" not in s.version and "+" not in s.version]
+    if len(pins) != 1 or req.url:
+        return None
+    wanted = Version(pins[0].version)
+    found = {canonicalize_name(name): version for name, version in installed.items()}.get(canonicalize_name(req.name))
+    if found is None:
+        return f"{req.name} is not installed although it was asked for ({requirement})"
+    try:
+        got = Version(found)
+    except InvalidVersion:
+        return f"{req.name} {found!r} was installed for {requirement}, which is not a version"
+    if got != wanted or got.local is not None:
+        return (f"{req.name} {found} was installed for {requirement}: the index offered another build under that "
+                f"version (PEP 440's == matches local labels), which would be checked as {wanted}; to check "
+                f"that build, pin it by its whole version ({req.name}=={found})")
+    return None
