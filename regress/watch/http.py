@@ -33,11 +33,21 @@ from urllib.parse import urljoin, urlsplit
 from regress.errors import PostError, RegressError
 from regress.redact import origin as shown_origin
 from regress.redact import redact
+from regress.untrusted import escaped_character, printable, without_controls
 
 MAX_REDIRECTS = 5
 POST_ANSWER_BYTES = 64 * 1024
 """A webhook's or GitHub's answer is only shown in messages: more is never needed."""
 DEFAULT_DEADLINE_S = 120.0
+
+def remote_text(text: str) -> str:
+    """A server's words (a reason phrase, an error body) as they may go into a message: any
+    credentials redacted, every control character escaped, newlines and tabs included (the text
+    stays on the message's one line, so no line of it can start a workflow command), and no
+    ``::`` or ``##[`` that a log could read as one (:func:`regress.untrusted.printable`)."""
+    text = without_controls(redact(text)).replace("\n", escaped_character("\n")).replace("\t", escaped_character("\t"))
+    return printable(text)
+
 
 Failure = Callable[[str], RegressError]
 """Builds the caller's error from a message (PackageIndexError for the index, PostError for POSTs)."""
@@ -57,6 +67,7 @@ class Response:
 
     status: int
     reason: str
+    """The status line's reason phrase, escaped (:func:`remote_text`): a server's words."""
     content_type: str
     body: bytes
     url: str
@@ -218,7 +229,7 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
                     answer = opener.open(request, timeout=min(timeout_s, max(watchdog.remaining(), 0.001)))
                 except urllib.error.HTTPError as exc:
                     if exc.fp is None:
-                        raise fail(f"HTTP {exc.code} {exc.reason}") from exc
+                        raise fail(f"HTTP {exc.code} {remote_text(str(exc.reason))}") from exc
                     answer = exc
                 with answer:
                     status = answer.status if hasattr(answer, "status") else answer.code
@@ -230,7 +241,8 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
                     if watchdog.expired:
                         # The shut-down socket reads as a clean end: never take it for the whole answer.
                         raise fail(f"no complete answer within the deadline of {deadline_s:g} s")
-                    return Response(status, str(getattr(answer, "reason", "")), answer.headers.get_content_type(),
+                    return Response(status, remote_text(str(getattr(answer, "reason", ""))),
+                                    answer.headers.get_content_type(),
                                     body, url)
             except RegressError:
                 raise
@@ -238,7 +250,7 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
                 if watchdog.expired:
                     raise fail(f"no complete answer within the deadline of {deadline_s:g} s") from exc
                 reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                raise fail(f"unreachable ({redact(str(reason))})") from exc
+                raise fail(f"unreachable ({remote_text(str(reason))})") from exc
         raise fail(f"more than {MAX_REDIRECTS} redirects")
     finally:
         watchdog.stop()
@@ -266,16 +278,19 @@ def _next_hop(url: str, first: str, location: str, status: int, method: str, fai
 
 def post_json(url: str, payload: Any, *, headers: dict[str, str] | None = None, credentials: dict[str, str] | None = None,
               timeout_s: float = 30, deadline_s: float = DEFAULT_DEADLINE_S,
-              context: ssl.SSLContext | None = None) -> Answer:
+              context: ssl.SSLContext | None = None, statuses: frozenset[int] | None = None) -> Answer:
     """POST ``payload`` as JSON; raise :class:`PostError` unless the answer is 2xx (a redirect
-    is not: see the module's docstring). ``credentials`` (an Authorization header) go to
-    ``url``'s origin only."""
+    is not: see the module's docstring), or, when ``statuses`` is given, unless its status is one
+    of them (GitHub's dispatches answer 204 only: a 200 login page of a proxy is no dispatch).
+    ``credentials`` (an Authorization header) go to ``url``'s origin only."""
     answer = fetch(
         url, fail=PostError, method="POST", data=json.dumps(payload).encode("utf-8"),
         headers={"Content-Type": "application/json", "User-Agent": "regress-watch", **(headers or {})},
         credentials=credentials, max_bytes=POST_ANSWER_BYTES, timeout_s=timeout_s, deadline_s=deadline_s,
         context=context)
     text = answer.body.decode("utf-8", "replace")
-    if not 200 <= answer.status < 300:
-        raise PostError(f"HTTP {answer.status} {answer.reason}".rstrip(), answer.status, redact(text[:2000]))
+    if not 200 <= answer.status < 300 or (statuses is not None and answer.status not in statuses):
+        # The reason (escaped in Response) and the body are the server's words: escaped here, once,
+        # so every message, warning and log line built from a PostError is safe to print.
+        raise PostError(f"HTTP {answer.status} {answer.reason}".rstrip(), answer.status, remote_text(text[:2000]))
     return Answer(answer.status, text)

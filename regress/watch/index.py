@@ -229,11 +229,28 @@ class IndexClient:
                 f"malformed answer: content type {content_type!r}, expected {JSON_SIMPLE!r} "
                 "(does this index serve the JSON simple API, PEP 691?)", url=shown)
         try:
-            return json.loads(body)
+            return json.loads(body, object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as exc:
+            if str(exc).startswith(_DUPLICATE):
+                # Which of two "files" (or two "yanked") counts is up to the parser: neither is taken.
+                raise PackageIndexError(f"malformed answer: {str(exc)[len(_DUPLICATE):]}", url=shown) from exc
             # ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit;
             # RecursionError, arrays nested deeper than the parser's stack.
             raise PackageIndexError(f"malformed answer: not JSON ({type(exc).__name__}: {exc})", url=shown) from exc
+
+
+_DUPLICATE = "duplicate key: "
+"""How :func:`_unique_keys` marks its ValueError (the one error json.loads lets through from a hook)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's ``object_pairs_hook``: the object, or a ValueError marked :data:`_DUPLICATE` for a key given twice."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"{_DUPLICATE}a JSON object names the key {_quoted(key)} twice")
+        result[key] = value
+    return result
 
 
 def parse_project_page(page: Any, package: str, *, url: str, notes: list[str] | None = None) -> list[Release]:

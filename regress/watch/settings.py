@@ -106,6 +106,9 @@ class WatchSettings(BaseModel):
     """Run this command instead of the built-in check (``local`` and ``celery`` triggers): it gets
     REGRESS_WATCH_PACKAGE, _VERSION, _REQUIREMENT, _CANDIDATE and REGRESS_PARAMS in its
     environment; exit 0 means pass, 1 regression, anything else a failed check."""
+    check_timeout_s: float = Field(7200, gt=0)
+    """Longest time ``check_command`` may run: past it, its process group is killed and the check
+    failed (exit 3; the version is released and retried next tick). Keep it below ``claim_timeout_s``."""
     queue: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
     """Celery queue for tick and check tasks (default: params' ``celery.queue``)."""
     claim_timeout_s: float = Field(12 * 3600, gt=0)
@@ -119,6 +122,9 @@ class WatchSettings(BaseModel):
     max_index_mib: float = Field(32, gt=0, le=1024)
     """Largest index answer (one project page) read, in MiB. vLLM's page is a few MiB; a larger
     answer is an error for that package only."""
+    max_new_per_tick: int = Field(5, ge=1, strict=True)
+    """Most checks one tick starts per package, newest versions first; the other new versions
+    are noted and left for the next ticks (an index listing thousands at once starts five)."""
     github: GitHubSettings = Field(default_factory=GitHubSettings)
     """Settings of the ``github`` trigger."""
 

@@ -85,7 +85,7 @@ def trusted_request(req: "CheckRequest", config: "WatchConfig") -> "CheckRequest
         requirement=requirement_for(req.package, req.version, config.template_requirement),
         candidate=candidate_name(req.package, req.version), template=settings.template,
         params=str(config.params_path), state=state_spec, webhook=settings.webhook, notify=settings.notify,
-        check_command=settings.check_command, timeout_s=settings.timeout_s)
+        check_command=settings.check_command, timeout_s=settings.timeout_s, check_timeout_s=settings.check_timeout_s)
     # Messages carry the state URL and webhook in their wire form (no password, no webhook
     # path): compare like with like, then use this worker's own values.
     wire = wire_form(own)

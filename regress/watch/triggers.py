@@ -62,6 +62,8 @@ class CheckRequest(BaseModel):
     """Command run instead of the built-in check (see WatchSettings.check_command)."""
     timeout_s: float = 30
     """Timeout of webhook requests."""
+    check_timeout_s: float = 7200
+    """Longest time ``check_command`` may run (``watch.check_timeout_s``)."""
 
 
 def wire_form(request: CheckRequest) -> CheckRequest:
@@ -140,10 +142,25 @@ class LocalTrigger(Trigger):
                 result = run_check(params, spec, executor=executor, progress=progress, source="watch",
                                    release=(request.package, request.version))
         metrics = result.scored.report.metrics
+        report, detail = report_path(result.scored.page, Path(request.params).parent)
         return TriggerOutcome(
-            "fail" if result.gating_failed else "pass",
-            report=str(result.scored.page) if result.scored.page else None,
+            "fail" if result.gating_failed else "pass", report=report, detail=detail,
             regressions=metrics.regression, prompts=metrics.prompts)
+
+
+def report_path(page: Path | None, root: Path) -> tuple[str | None, str | None]:
+    """(report, detail) of a check's outcome: the report page relative to the params directory
+    ``root`` (what a state record may carry), or, for a page outside it, none and the page in
+    the detail."""
+    if page is None:
+        return None, None
+    try:
+        relative = Path(os.path.abspath(page)).relative_to(os.path.abspath(root)).as_posix()
+    except ValueError:
+        return None, f"report: {page}"
+    from regress.watch.state import is_relative_report
+
+    return (relative, None) if is_relative_report(relative) else (None, f"report: {page}")
 
 
 def release_candidate(params: Any, request: CheckRequest) -> Any:
@@ -167,14 +184,82 @@ def run_check_command(request: CheckRequest) -> TriggerOutcome:
     }
     command = request.check_command
     try:
-        done = subprocess.run(command, cwd=Path(request.params).parent, env=env, capture_output=True, text=True)
+        # Its own session (process group): at the deadline the command and all it started are killed.
+        process = subprocess.Popen(command, cwd=Path(request.params).parent, env=env, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         raise CheckCommandFailed(f"check command {command[0]!r} could not start: {exc}") from exc
-    if done.returncode in (0, 1):
-        return TriggerOutcome("pass" if done.returncode == 0 else "fail", detail=f"check command exited {done.returncode}")
-    tail = (done.stderr or done.stdout).strip()[-1000:]
-    raise CheckCommandFailed(f"check command {command[0]!r} exited {done.returncode} for {request.requirement}"
-                             + (f": {tail}" if tail else ""))
+    # Only the last COMMAND_TAIL_BYTES of each stream are kept, however much it prints.
+    tails = [_Tail(process.stdout), _Tail(process.stderr)]
+    try:
+        returncode = process.wait(timeout=request.check_timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        for tail in tails:
+            tail.join(5)
+        shown = tails[1].text() or tails[0].text()
+        raise CheckCommandFailed(f"check command {command[0]!r} ran past watch.check_timeout_s "
+                                 f"({request.check_timeout_s:g} s) for {request.requirement}: killed"
+                                 + (f": {shown}" if shown else "")) from None
+    except BaseException:
+        _kill_group(process)
+        raise
+    for tail in tails:
+        tail.join(5)
+    if returncode in (0, 1):
+        return TriggerOutcome("pass" if returncode == 0 else "fail", detail=f"check command exited {returncode}")
+    shown = tails[1].text() or tails[0].text()
+    raise CheckCommandFailed(f"check command {command[0]!r} exited {returncode} for {request.requirement}"
+                             + (f": {shown}" if shown else ""))
+
+
+COMMAND_TAIL_BYTES = 4000
+"""How much of a check command's output (each stream, its end) is kept for the error message."""
+
+
+class _Tail:
+    """Reads a pipe to its end in a thread, keeping its last :data:`COMMAND_TAIL_BYTES` only."""
+
+    def __init__(self, pipe: Any):
+        import threading
+
+        self._pipe = pipe
+        self._kept = bytearray()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            while chunk := self._pipe.read1(65536):
+                self._kept += chunk
+                del self._kept[:-COMMAND_TAIL_BYTES]
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                self._pipe.close()
+            except OSError:
+                pass
+
+    def join(self, timeout_s: float) -> None:
+        # A grandchild that left its own group may hold the pipe open: never wait on it for long.
+        self._thread.join(timeout_s)
+
+    def text(self) -> str:
+        return bytes(self._kept).decode("utf-8", "replace").strip()[-1000:]
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 # --------------------------------------------------------------------------------------
@@ -212,6 +297,10 @@ class CeleryTrigger(Trigger):
 # --------------------------------------------------------------------------------------
 # github
 # --------------------------------------------------------------------------------------
+
+DISPATCHED = frozenset({204})
+"""What GitHub answers a repository_dispatch and a workflow_dispatch it accepted (no body).
+Any other answer, a 200 included (a proxy's login page), is a failure retried next tick."""
 
 TOKEN_VARIABLES = ("REGRESS_GITHUB_TOKEN", "GITHUB_TOKEN")
 """Where the token comes from (each also as ``<VARIABLE>_FILE``, a file holding it); never a flag."""
@@ -276,11 +365,13 @@ class GitHubTrigger(Trigger):
         headers = {"Accept": "application/vnd.github+json", "X-GitHub-Api-Version": "2022-11-28"}
         try:
             post_json(url, body, headers=headers, credentials={"Authorization": f"Bearer {self.token}"},
-                      timeout_s=self.timeout_s, deadline_s=self.deadline_s)
+                      timeout_s=self.timeout_s, deadline_s=self.deadline_s, statuses=DISPATCHED)
         except PostError as exc:
             hint = {401: " (is the token valid?)", 403: " (may the token start workflows?)",
                     404: " (repository or workflow not found, or the token cannot see it)",
                     422: " (does the workflow declare these inputs / listen for this event?)"}.get(exc.status or 0, "")
+            if exc.status is not None and 200 <= exc.status < 300:
+                hint = " (GitHub answers a dispatch with 204: is a proxy or another server answering?)"
             raise RunError(f"GitHub did not start the check of {request.requirement}: {url}: {exc}{hint}"
                            + (f": {exc.body[:300]}" if exc.body else "")) from exc
         where = self.settings.event_type if self.settings.mode == "repository_dispatch" else self.settings.workflow

@@ -29,8 +29,9 @@ from typing import Any
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
+from pydantic import ValidationError
 
-from regress.errors import EXIT_OK, EXIT_REGRESSION, RegressError
+from regress.errors import EXIT_OK, EXIT_REGRESSION, RegressError, RunError
 from regress.watch.config import WatchConfig
 from regress.watch.http import DEFAULT_DEADLINE_S
 from regress.watch.index import IndexClient, PackageIndexError, Release, configured_index
@@ -196,6 +197,18 @@ class Watcher:
                                             "treated as stale, checked again")
                     # The state's spelling of an equal version stays the key: one entry per release.
                     new.append(dataclasses.replace(release, version=existing.version) if existing else release)
+            # The newest max_new_per_tick only (started oldest first, as listed): an index listing
+            # thousands of new versions cannot start thousands of checks at once; the rest wait
+            # for the next ticks.
+            limit = self.settings.max_new_per_tick
+            if len(new) > limit:
+                newest = sorted(new, key=lambda r: r.parsed, reverse=True)
+                chosen = {id(r) for r in newest[:limit]}
+                later = [r.version for r in newest[limit:]]
+                shown = ", ".join(later[:10]) + (f" and {len(later) - 10} more" if len(later) > 10 else "")
+                result.notes.append(f"{package}: {len(later)} more new versions than watch.max_new_per_tick "
+                                    f"({limit}) are left for the next ticks: {shown}")
+                new = [r for r in new if id(r) in chosen]
             for release in new:
                 result.outcomes.append(self._start(release, warnings))
         except RegressError as exc:  # the state store went away mid-tick
@@ -234,7 +247,7 @@ class Watcher:
             candidate=candidate_name(release.package, release.version), template=self.settings.template,
             params=str(self.config.params_path), state=self.state.spec(), webhook=self.settings.webhook,
             notify=self.settings.notify, check_command=self.settings.check_command,
-            timeout_s=self.settings.timeout_s)
+            timeout_s=self.settings.timeout_s, check_timeout_s=self.settings.check_timeout_s)
 
     def _start(self, release: Release, warnings: list[str]) -> VersionOutcome:
         request = self._request(release)
@@ -248,6 +261,16 @@ class Watcher:
             return outcome
         try:
             started = self.trigger.start(request)
+            # Validated like a stored record: a trigger's outcome gets the checks a state record gets.
+            record = VersionRecord.model_validate({**claim.model_dump(), **{
+                "status": started.status, "report": started.report, "detail": started.detail,
+                "regressions": started.regressions, "prompts": started.prompts, "time": time.time()}})
+        except ValidationError as exc:
+            self.state.release(release.package, release.version, frozenset({"claimed"}))
+            outcome.status = "error"
+            outcome.error = RunError(f"the check of {request.requirement} gave an outcome that cannot be "
+                                     f"recorded ({exc.errors()[0]['msg']}); released, retried next tick")
+            return outcome
         except RegressError as exc:
             self.state.release(release.package, release.version, frozenset({"claimed"}))
             outcome.status, outcome.error = "error", exc
@@ -255,9 +278,6 @@ class Watcher:
         except BaseException:
             self.state.release(release.package, release.version, frozenset({"claimed"}))
             raise
-        record = claim.model_copy(update={
-            "status": started.status, "report": started.report, "detail": started.detail,
-            "regressions": started.regressions, "prompts": started.prompts, "time": time.time()})
         if started.status in FINISHED:
             _, warning = finish_check(self.state, record, self.notifier, frozenset({"claimed"}))
             if warning:
