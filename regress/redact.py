@@ -24,6 +24,11 @@ MASK = "***"
 # userinfo, so the userinfo is everything up to the *last* "@" before one of them. The greedy
 # match is what keeps a password holding "@" or ":" (``u:p@ss:w@host``) whole.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s'\"<>]*)@")
+# A password holding an unencoded "/", "?" or "#" (``https://user:pa/ss@host``): no valid URL,
+# but one people write. _USERINFO stops at the "/", so whatever follows ``scheme://user:`` up to
+# the word's last "@" is masked here, unless the ":" starts a port (digits, then the path).
+_SLASHED_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/?#\s'\"<>:@\[]*):(?!\d*(?:[/?#\s'\"<>]|$))[^\s'\"<>]*@")
 # Query (or matrix) parameters whose value is a credential: password, token, access_token,
 # api_key, secret, signature (pre-signed URLs), ...
 _SECRET_PARAMETER = re.compile(
@@ -245,6 +250,7 @@ def redact(text: str) -> str:
     if not text:
         return text
     text = _USERINFO.sub(_userinfo, text)
+    text = _SLASHED_USERINFO.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{MASK}@", text)
     text = _SECRET_PARAMETER.sub(lambda m: m.group("name") + MASK, text)
     text = _named(text)
     text = _FLAG.sub(_flag, text)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -321,3 +322,21 @@ def first_error(exc: ValidationError, model: type[BaseModel]) -> tuple[str | Non
 def all_errors(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str | None, str]]:
     """Every problem of a ValidationError, described."""
     return [describe(e, model) for e in exc.errors()]
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is no http(s) URL regress may ask, or None. Its authority must read as
+    ``[user[:password]@]host[:port]``: a password holding an unencoded ``/``, ``?``, ``#`` or
+    ``@`` would make the URL's host a piece of the password (``https://u:pa/ss@host`` asks a
+    host named ``u``), so it must be percent-encoded (``%2F``, ``%3F``, ``%23``, ``%40``)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "not an http:// or https:// URL"
+    try:
+        parts.port
+    except ValueError:
+        return ("its host part is not host[:port] (a password holding '/', '?', '#' or '@' must be "
+                "percent-encoded: %2F, %3F, %23, %40)")
+    if not parts.hostname:
+        return "it names no host"
+    return None

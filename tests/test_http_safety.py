@@ -151,6 +151,34 @@ def test_redirects_that_are_never_followed():
     assert _next_hop("http://idx/a/", "http://idx/a/", "../b/", 302, "GET", fail) == "http://idx/b/"
 
 
+def test_a_public_index_never_redirects_the_watcher_into_its_own_network():
+    def fail(message: str) -> PackageIndexError:
+        return PackageIndexError(message, url="u")
+
+    for target in ("http://169.254.169.254/latest/meta-data/", "http://127.0.0.1:6379/", "http://10.0.0.5/simple/",
+                   "http://[::1]/x", "http://[::ffff:192.168.1.1]/x", "http://0.0.0.0:8080/", "http://100.64.0.1/"):
+        with pytest.raises(PackageIndexError, match="outside the public internet"):
+            _next_hop("http://8.8.8.8/simple/x/", "http://8.8.8.8/simple/x/", target, 302, "GET", fail)
+    assert _next_hop("http://8.8.8.8/s/", "http://8.8.8.8/s/", "https://1.1.1.1/x", 302, "GET", fail) == \
+        "https://1.1.1.1/x"  # to another public host (a CDN): followed
+    # A local index may redirect within the local network.
+    assert _next_hop("http://127.0.0.1:1/s/", "http://127.0.0.1:1/s/", "http://10.0.0.5/x", 302, "GET", fail) == \
+        "http://10.0.0.5/x"
+
+
+def test_a_redirect_into_the_local_network_is_refused_before_any_request(servers, monkeypatch):
+    import regress.watch.http as http_module
+
+    real = http_module.non_global_host
+    # "localhost" stands for an index on the internet here; 127.0.0.1 is the watcher's own host.
+    monkeypatch.setattr(http_module, "non_global_host", lambda host: host != "localhost" and real(host))
+    inside = servers(answer(200, page("1.0")))
+    first = servers(redirect(302, lambda: f"{inside.url()}/simple/{PKG}/"))
+    with pytest.raises(PackageIndexError, match="outside the public internet"):
+        IndexClient(first.url("localhost") + "/simple").releases(PKG)
+    assert inside.requests == []
+
+
 def test_a_redirect_loop_is_an_error_not_a_hang(servers):
     holder: dict[str, Server] = {}
     holder["s"] = server = servers(redirect(302, lambda: f"{holder['s'].url()}/simple/{PKG}/"))

@@ -140,6 +140,35 @@ def test_a_bad_index_url_names_where_it_came_from(tmp_path, how, named):
     assert f"field '{named}'" in done.stderr and "watch.index_url" not in done.stderr, done.stderr
 
 
+def test_an_index_password_with_an_unencoded_slash_is_refused_and_never_printed(tmp_path):
+    # urlsplit reads https://ci:pa/ss@mirror as host "ci" and path "/ss@mirror": asked as it is,
+    # the request would go to another host, and a message would print the password.
+    _project(tmp_path)
+    for how in ({"args": ["--index-url", "https://ci:s3cr/et@mirror.example/simple"]},
+                {"env": {"REGRESS_INDEX_URL": "https://ci:s3cr/et?x#y@mirror.example/simple"}}):
+        done = run_cli("bisect", "vllm", "--good", "0.1", "--bad", "0.2", *how.get("args", []), cwd=tmp_path,
+                       env={"REGRESS_HOME": str(tmp_path / "home"), **how.get("env", {})})
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "s3cr" not in done.stdout + done.stderr and "percent-encoded" in done.stderr, done.stderr
+
+
+def test_bisect_keeps_the_watch_sections_bounds_on_the_index(tmp_path):
+    from pep691_index import LocalIndex
+
+    params = _project(tmp_path)
+    params.write_text(params.read_text() + "watch:\n  max_index_mib: 0.0001\n")  # about 100 bytes
+    index = LocalIndex().start()
+    try:
+        for version in ("0.1", "0.2", "0.3"):
+            index.add("vllm", version)
+        done = run_cli("bisect", "vllm", "--good", "0.1", "--bad", "0.3", "--index-url", index.url, cwd=tmp_path,
+                       env={"REGRESS_HOME": str(tmp_path / "home")})
+    finally:
+        index.stop()
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "larger than" in done.stderr and "(the limit)" in done.stderr, done.stderr
+
+
 # -- a prompt set's card ---------------------------------------------------------------------
 
 def _prompt_set(root: Path, name: str) -> Path:

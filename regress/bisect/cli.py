@@ -71,13 +71,18 @@ def bisect(
     from regress.progress import RichProgress, stderr_console
     from regress.redact import secret_from_environment
     from regress.watch.index import IndexClient
+    from regress.watch.settings import WatchSettings
 
     _check_inputs(package, good, bad)  # before the index is asked or the project locked
     p = load_params(params)
     template = p.candidate(candidate) if candidate else p.baseline
     p.check_model_paths(template)
+    # The watch: section's bounds on the index's answers hold for bisect too (load_params has
+    # validated the section, file and line named).
+    limits = WatchSettings.model_validate(dict(p.watch))
     client = IndexClient(_index(index_url, secret_from_environment("REGRESS_INDEX_URL"), p.watch.get("index_url")),
-                         timeout_s=30)
+                         timeout_s=limits.timeout_s, max_bytes=int(limits.max_index_mib * 1024 * 1024),
+                         deadline_s=limits.deadline_s)
     # One bisect (or check) of this project at a time; every phase of every check has a deadline.
     with writing_project(p):
         notes: list[str] = []
@@ -137,7 +142,7 @@ def _index(option: str | None, environment: str | None, configured: str | None) 
             raise ConfigError(f"the index from {source} is {redact(value)}, which has no JSON simple API (PEP 691); "
                               "give an http(s) index", field=source)
         if value:
-            return configured_index(value)
+            return configured_index(value, source=source)
     return configured_index(configured)
 
 

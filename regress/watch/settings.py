@@ -25,6 +25,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from regress.redact import origin, redact
+from regress.validation import url_problem
 from regress.worker.settings import REDIS_SCHEMES
 
 # PEP 508 project names.
@@ -32,10 +33,13 @@ _PROJECT_NAME = re.compile(r"^([A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9])$", re.IGNO
 
 
 def _http_url(value: str | None, *, secret_path: bool = False) -> str | None:
-    if value is not None and urlsplit(value).scheme not in ("http", "https"):
+    problem = None if value is None else url_problem(value)
+    if problem is not None:
         # A webhook's path is its secret: show no more than its origin.
         shown = origin(value) if secret_path else redact(value)
-        raise ValueError(f"must be an http:// or https:// URL, got {shown!r}")
+        if problem.startswith("not an http"):
+            raise ValueError(f"must be an http:// or https:// URL, got {shown!r}")
+        raise ValueError(f"{shown!r} is not a usable URL: {problem}")
     return value
 
 

