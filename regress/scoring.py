@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from regress.errors import ConfigError
 from regress.metrics import DEFAULT_METRICS, get_metric
 from regress.metrics.aggregate import aggregates
-from regress.metrics.answers import matching_answer
+from regress.metrics.answers import AnswerKey, matching_answer, rejected_answer
 from regress.metrics.base import MetricInfo, Pair
 from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
@@ -61,19 +62,22 @@ ANSWER_SHOWN = 80
 """Characters of an accepted answer quoted in a prompt's reasons."""
 
 
-def expected_answers(prompt_set: Any) -> dict[str, list[str]]:
-    """Prompt id -> accepted answers, for the prompts of a :class:`~regress.datasets.PromptSet`
-    (or None) that have ``expected``: what :func:`score_runs` takes as ``expected``."""
+def expected_answers(prompt_set: Any) -> dict[str, AnswerKey]:
+    """Prompt id -> answer key (accepted and rejected answers), for the prompts of a
+    :class:`~regress.datasets.PromptSet` (or None) that have ``expected``: what
+    :func:`score_runs` takes as ``expected``."""
     if prompt_set is None:
         return {}
-    return {p.id: list(p.expected) for p in prompt_set.prompts if p.expected}
+    return {p.id: AnswerKey(tuple(p.expected), tuple(p.reject or ())) for p in prompt_set.prompts if p.expected}
 
 
-def check_answer(golden_text: str, candidate_text: str, expected: list[str]) -> AnswerCheck:
+def check_answer(golden_text: str, candidate_text: str, expected: AnswerKey | list[str]) -> AnswerCheck:
     """The expected answer checked in both outputs."""
-    g, c = matching_answer(golden_text, expected), matching_answer(candidate_text, expected)
-    return AnswerCheck(expected=list(expected), golden_correct=g is not None, candidate_correct=c is not None,
-                       golden_match=g, candidate_match=c)
+    key = AnswerKey.of(expected)
+    g, c = matching_answer(golden_text, key), matching_answer(candidate_text, key)
+    return AnswerCheck(expected=list(key.accepted), golden_correct=g is not None, candidate_correct=c is not None,
+                       golden_match=g, candidate_match=c, golden_rejected=rejected_answer(golden_text, key.rejected),
+                       candidate_rejected=rejected_answer(candidate_text, key.rejected))
 
 
 def _quoted(answer: str | None) -> str:
@@ -84,6 +88,9 @@ def _quoted(answer: str | None) -> str:
 def answer_reason(check: AnswerCheck) -> str | None:
     """The per-prompt reason for an answer flip (None without one)."""
     if check.flip == "lost":
+        if check.candidate_rejected:
+            return (f"expected answer lost: golden had {_quoted(check.golden_match)}, the candidate names the "
+                    f"rejected answer {_quoted(check.candidate_rejected)}")
         return f"expected answer lost: golden had {_quoted(check.golden_match)}, candidate does not"
     if check.flip == "gained":
         return f"expected answer gained: candidate has {_quoted(check.candidate_match)}, golden did not"
@@ -112,7 +119,7 @@ def score_runs(
     thresholds: Thresholds | None = None,
     *,
     tags: dict[str, list[str]] | None = None,
-    expected: dict[str, list[str]] | None = None,
+    expected: Mapping[str, AnswerKey | list[str]] | None = None,
     metrics: list[tuple[Any, Any]] | None = None,
     progress: ProgressFn | None = None,
     noise: NoiseFloor | None = None,
@@ -120,7 +127,8 @@ def score_runs(
     gate_by_default: bool = False,
 ) -> ScoredRun:
     """Score every prompt of ``run`` against ``golden``. ``expected`` maps prompt ids to their
-    accepted answers (:func:`expected_answers`); those prompts are also checked for them.
+    answer keys (:func:`expected_answers`; a plain list is accepted answers only); those prompts
+    are also checked for them.
     ``noise``: the baseline's measured noise (``golden/noise.json``, :mod:`regress.noise.floor`):
     run-level bounds follow its floor, and a prompt the baseline flipped itself is benign within
     its envelope; None: the thresholds as configured. ``gate``: which verdict gates the check
@@ -166,7 +174,7 @@ def score_runs(
         if progress:
             progress(1)
     tags = tags or {}
-    expected = expected or {}
+    expected = {pid: AnswerKey.of(value) for pid, value in (expected or {}).items() if value}
     scores = []
     counts = {"identical": 0, "benign": 0, "drift": 0, "regression": 0, "input_drift": 0}
     unforced: list[str] = []

@@ -17,14 +17,14 @@ import pytest
 from report_fixtures import HOSTILE, WORDS, BagOfWordsEncoder, Case, build_case
 from regress.datasets import check_prompt_set, load_prompt_set
 from regress.errors import ConfigError
-from regress.metrics.answers import contains_answer, is_correct, matching_answer, normalise
+from regress.metrics.answers import AnswerKey, contains_answer, is_correct, matching_answer, normalise, rejected_answer
 from regress.records import AnswerCheck, PromptRecord, RunMetrics, ScoredRun
 from regress.report import JUNIT_FILE, METRICS_FILE, METRICS_SCHEMA, SUMMARY_FILE, write_candidate_report, write_index
 from regress.report.junit import junit_xml
 from regress.report.payload import build_payload
 from regress.report.render import render_candidate
 from regress.report.summary import summary_markdown
-from regress.scoring import build_metrics, expected_answers, score_runs, write_score_outputs
+from regress.scoring import answer_reason, build_metrics, check_answer, expected_answers, score_runs, write_score_outputs
 from regress.verdict import Thresholds, run_verdict
 
 # ------------------------------------------------------------------ the rule
@@ -154,10 +154,96 @@ def test_expected_is_optional_and_stored_as_a_list(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     prompt_set = load_prompt_set(path)
     assert [p.expected for p in prompt_set.prompts] == [["Paris"], ["4", "four"], None, None]
-    assert expected_answers(prompt_set) == {"a": ["Paris"], "b": ["4", "four"]}
+    assert expected_answers(prompt_set) == {"a": AnswerKey(("Paris",)), "b": AnswerKey(("4", "four"))}
     assert expected_answers(None) == {}
     assert "expected" not in prompt_set.get("a").payload()  # never sent to the engine
     assert PromptRecord.model_validate(prompt_set.get("b").model_dump()) == prompt_set.get("b")
+
+
+# ------------------------------------------------------------------ rejected answers (hedges)
+
+HEDGES = [
+    # (output, accepted, rejected, the accepted answer found or None)
+    ("Paris, London or Rome?", "Paris", ["London", "Rome"], None),  # names every option
+    ("Paris.", "Paris", ["London", "Rome"], "Paris"),
+    ("A B C D", "B", ["A", "C", "D"], None),
+    ("The answer is (B).", "B", ["A", "C", "D"], "B"),
+    ("Answer: B, not a", "B", ["A", "C", "D"], None),  # case-folded like the accepted ones
+    ("Paris, Texas", "Paris", ["Paris, Texas"], None),  # a rejected answer may hold the accepted one
+    ("It is Paris; Texas has another.", "Paris", ["Paris, Texas"], "Paris"),
+    ("4 or 40", "4", ["40"], None),
+    ("4.5 is close, 4 is it", "4", ["5"], "4"),  # 5 only inside 4.5: not found, as any answer
+]
+
+
+@pytest.mark.parametrize("output,accepted,rejected,found", HEDGES)
+def test_an_output_that_names_a_rejected_answer_is_wrong(output, accepted, rejected, found) -> None:
+    key = AnswerKey((accepted,), tuple(rejected))
+    assert matching_answer(output, key) == found
+    assert is_correct(output, key) is (found is not None)
+    assert is_correct(output, accepted) is (contains_answer(normalise(output), normalise(accepted)))  # no key: as before
+    assert (rejected_answer(output, rejected) is None) is (found is not None or not is_correct(output, accepted))
+
+
+def test_a_hedging_candidate_loses_the_answer_and_the_reason_names_the_rejected_one() -> None:
+    key = AnswerKey(("Paris",), ("London", "Rome"))
+    check = check_answer("The capital of France is Paris.", "It is Paris, or maybe London.", key)
+    assert (check.golden_correct, check.candidate_correct, check.flip) == (True, False, "lost")
+    assert (check.golden_rejected, check.candidate_rejected) == (None, "London")
+    assert answer_reason(check) == "expected answer lost: golden had 'Paris', the candidate names the rejected answer 'London'"
+    plain = check_answer("Paris", "Berlin", key)
+    assert answer_reason(plain) == "expected answer lost: golden had 'Paris', candidate does not"
+
+
+def test_reject_is_read_from_the_prompt_set_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "qa.jsonl"
+    lines = [{"id": "a", "prompt": "Capital of France?", "expected": "Paris", "reject": ["London", "Paris, Texas"]},
+             {"id": "b", "prompt": "Which letter?", "expected": "B", "reject": "A"},
+             {"id": "c", "prompt": "2 + 2?", "expected": "4"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    prompt_set = load_prompt_set(path)
+    assert [p.reject for p in prompt_set.prompts] == [["London", "Paris, Texas"], ["A"], None]
+    assert expected_answers(prompt_set) == {"a": AnswerKey(("Paris",), ("London", "Paris, Texas")),
+                                            "b": AnswerKey(("B",), ("A",)), "c": AnswerKey(("4",))}
+    assert "reject" not in prompt_set.get("a").payload()  # never sent to the engine
+
+
+BAD_REJECT = [
+    ("without-expected", {"reject": ["London"]}, "needs 'expected'"),
+    ("part-of-accepted", {"expected": "New York", "reject": "York"}, "is part of the accepted answer 'New York'"),
+    ("same-as-accepted", {"expected": ["Paris", "París"], "reject": ["PARIS"]}, "is part of the accepted answer 'Paris'"),
+    ("punctuation", {"expected": "Paris", "reject": ["?"]}, "holds no letter, digit or CJK character"),
+    ("number", {"expected": "Paris", "reject": 4}, "(rejected answers), got a number (4)"),
+    ("empty-list", {"expected": "Paris", "reject": []}, "must hold at least one rejected answer"),
+]
+
+
+@pytest.mark.parametrize("name,fields,words", BAD_REJECT, ids=[b[0] for b in BAD_REJECT])
+def test_bad_reject_is_reported_with_file_line_and_field(tmp_path: Path, name: str, fields, words: str) -> None:
+    path = tmp_path / f"{name}.jsonl"
+    lines = [{"id": "a", "prompt": "Hello", "expected": "hi"}, {"id": "b", "prompt": "Capital?", **fields}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    prompt_set, problems = check_prompt_set(path)
+    assert prompt_set is None and len(problems) == 1
+    assert (problems[0].line, problems[0].field) == (2, "reject")
+    assert words in problems[0].message
+
+
+def test_score_runs_counts_an_output_with_a_rejected_answer_as_wrong(base: Case, plan, answered) -> None:
+    # The prompt whose answer both sides keep: a rejected word both outputs also hold makes both wrong.
+    score, _ = answered
+    kept = next(s for s in score.scores if s.answer is not None and s.answer.golden_correct and s.answer.candidate_correct)
+    g = base.golden.texts[base.golden.position(kept.prompt_id)]
+    c = base.run.texts[base.run.position(kept.prompt_id)]
+    accepted = kept.answer.golden_match
+    wrong = next(w for w in WORDS if w != accepted and is_correct(g, w) and is_correct(c, w)
+                 and not contains_answer(normalise(accepted), normalise(w)))
+    keys = {pid: AnswerKey(tuple(v)) for pid, v in plan.items()}
+    keys[kept.prompt_id] = AnswerKey(tuple(plan[kept.prompt_id]), (wrong,))
+    rescored = {s.prompt_id: s for s in _score(base, keys).scores}[kept.prompt_id]
+    assert not rescored.answer.golden_correct and not rescored.answer.candidate_correct
+    assert rescored.answer.golden_rejected == rescored.answer.candidate_rejected == wrong
+    assert _score(base, keys).metrics.golden_answers_correct == score.metrics.golden_answers_correct - 1
 
 
 # ------------------------------------------------------------------ scoring

@@ -174,6 +174,16 @@ def test_sampled_prompt_classes_and_answer_rates() -> None:
     assert klass == "drift" and "1/8 candidate samples against 8/8" in reasons[0]
     assert answer.golden_correct and not answer.candidate_correct and answer.flip == "lost"
     assert unit.row["answer_rate_golden"] == 1.0 and unit.row["answer_rate_candidate"] == 0.125
+    # Samples that hedge ("Paris or London") hold a rejected answer: wrong, and the check names it.
+    from regress.metrics.answers import AnswerKey
+
+    texts = (["Paris"] * 8, ["Paris or London"] * 7 + ["Paris"])
+    pairs = _group(golden, list(reversed(golden)), texts=texts)
+    values = [dict(group_values(pairs, similarity=None), identical=False, tf_kl_mean=0.001) for _ in pairs]
+    [unit] = prompt_units(pairs, values)
+    klass, reasons, answer = sampled_class(unit, "benign", [], AnswerKey(("Paris",), ("London",)), t)
+    assert answer.candidate_rate == 0.125 and answer.candidate_rejected == "London" and answer.golden_rejected is None
+    assert klass == "drift" and answer.flip == "lost"
 
 
 def _bag_of_words(pairs: list) -> list[dict]:

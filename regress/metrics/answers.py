@@ -15,7 +15,11 @@ collapsing every run of whitespace to one space. Containment is guarded at the a
   so a CJK answer is plain containment (``北京`` is in ``中国的首都是北京。``) and a number or a
   Latin word next to CJK text still matches (``4`` is in ``答案是4。``).
 
-Pure functions, no I/O: :func:`matching_answer` and :func:`is_correct`.
+A prompt may also carry ``reject`` (wrong answers): an output holding one of them is not correct
+even where it also holds an accepted answer, so a hedge that names every option is not counted
+right (:class:`AnswerKey`).
+
+Pure functions, no I/O: :func:`matching_answer`, :func:`rejected_answer` and :func:`is_correct`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 _CJK = re.compile(
     "[\u1100-\u11ff\u2e80-\u2fdf\u3005-\u3007\u3021-\u3029\u3031-\u3035\u3038-\u303c\u3040-\u30ff\u3100-\u312f"
@@ -102,16 +107,44 @@ def contains_answer(normalised_text: str, normalised_answer: str) -> bool:
     return False
 
 
-def matching_answer(output: str, accepted: str | Iterable[str]) -> str | None:
-    """The first accepted answer (as given) that ``output`` contains; None when it holds none."""
-    answers = [accepted] if isinstance(accepted, str) else list(accepted)
-    text = normalise(output)
+@dataclass(frozen=True)
+class AnswerKey:
+    """A prompt's accepted answers (``expected``) and the wrong ones that void them (``reject``)."""
+
+    accepted: tuple[str, ...]
+    rejected: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, value: "AnswerKey | str | Iterable[str]") -> "AnswerKey":
+        """A key from a key, one accepted answer or a list of them (no rejected ones)."""
+        if isinstance(value, AnswerKey):
+            return value
+        return cls((value,) if isinstance(value, str) else tuple(value))
+
+
+def _first_in(text: str, answers: Iterable[str]) -> str | None:
     for answer in answers:
         if contains_answer(text, normalise(answer)):
             return answer
     return None
 
 
-def is_correct(output: str, accepted: str | Iterable[str]) -> bool:
-    """Whether ``output`` contains any accepted answer."""
-    return matching_answer(output, accepted) is not None
+def rejected_answer(output: str, rejected: Iterable[str]) -> str | None:
+    """The first rejected answer (as given) that ``output`` contains; None when it holds none."""
+    return _first_in(normalise(output), rejected)
+
+
+def matching_answer(output: str, accepted: "str | Iterable[str] | AnswerKey",
+                    rejected: Iterable[str] = ()) -> str | None:
+    """The first accepted answer (as given) that ``output`` contains, if it contains no rejected
+    one (``rejected``, or the key's); None otherwise."""
+    key = AnswerKey.of(accepted)
+    text = normalise(output)
+    if _first_in(text, (*key.rejected, *rejected)) is not None:
+        return None
+    return _first_in(text, key.accepted)
+
+
+def is_correct(output: str, accepted: "str | Iterable[str] | AnswerKey", rejected: Iterable[str] = ()) -> bool:
+    """Whether ``output`` contains an accepted answer and no rejected one."""
+    return matching_answer(output, accepted, rejected) is not None

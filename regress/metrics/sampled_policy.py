@@ -95,22 +95,29 @@ def prompt_units(pairs: list[Pair], values: list[dict[str, Any]]) -> list[Prompt
     return units
 
 
-def _answers(unit: PromptUnit, expected: list[str]) -> tuple[int, int, str | None, str | None]:
-    """(golden samples correct, candidate samples correct, first golden match, first candidate match)."""
-    from regress.metrics.answers import matching_answer
-
-    g = [matching_answer(p.golden.text, expected) for p in unit.pairs]
-    c = [matching_answer(p.candidate.text, expected) for p in unit.pairs]
-    return (sum(m is not None for m in g), sum(m is not None for m in c),
-            next((m for m in g if m is not None), None), next((m for m in c if m is not None), None))
+def _first(found: list[str | None]) -> str | None:
+    return next((m for m in found if m is not None), None)
 
 
-def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: list[str] | None,
+def _answers(unit: PromptUnit, key: Any) -> tuple[int, int, list[str | None]]:
+    """(golden samples correct, candidate samples correct, [first golden match, first candidate
+    match, first rejected answer in a golden sample, in a candidate sample])."""
+    from regress.metrics.answers import matching_answer, rejected_answer
+
+    g = [matching_answer(p.golden.text, key) for p in unit.pairs]
+    c = [matching_answer(p.candidate.text, key) for p in unit.pairs]
+    g_rejected = _first([rejected_answer(p.golden.text, key.rejected) for p in unit.pairs])
+    c_rejected = _first([rejected_answer(p.candidate.text, key.rejected) for p in unit.pairs])
+    return sum(m is not None for m in g), sum(m is not None for m in c), [_first(g), _first(c), g_rejected, c_rejected]
+
+
+def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: Any,
                   t: Any) -> tuple[str, list[str], Any]:
     """A sampled prompt's class, reasons and answer check, from what :func:`~regress.verdict.classify`
     found on its row (teacher-forced bounds and the distribution rule).
 
-    With ``expected`` answers, each side's success rate over its samples is compared with an
+    With ``expected`` (an :class:`~regress.metrics.answers.AnswerKey`, or a list of accepted
+    answers), each side's success rate over its samples is compared with an
     interval for the difference (:func:`regress.stats.rate_difference`); a drop whose whole
     interval is below 0 is a regression. The answer check records the majority on each side (a
     prompt the golden mostly answers and the candidate mostly does not is a lost answer)."""
@@ -120,14 +127,17 @@ def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: li
     row = unit.row
     answer = None
     if expected:
+        from regress.metrics.answers import AnswerKey
         from regress.stats import rate_difference
 
-        k_golden, k_cand, g_match, c_match = _answers(unit, expected)
+        key = AnswerKey.of(expected)
+        k_golden, k_cand, (g_match, c_match, g_rejected, c_rejected) = _answers(unit, key)
         diff, low, high = rate_difference(k_cand, n, k_golden, n, t.confidence)
         row.update(answer_rate_golden=k_golden / n, answer_rate_candidate=k_cand / n,
                    answer_rate_diff=diff, answer_rate_diff_low=low, answer_rate_diff_high=high)
-        answer = AnswerCheck(expected=list(expected), golden_correct=2 * k_golden >= n, candidate_correct=2 * k_cand >= n,
-                             golden_match=g_match, candidate_match=c_match, golden_rate=k_golden / n,
+        answer = AnswerCheck(expected=list(key.accepted), golden_correct=2 * k_golden >= n,
+                             candidate_correct=2 * k_cand >= n, golden_match=g_match, candidate_match=c_match,
+                             golden_rejected=g_rejected, candidate_rejected=c_rejected, golden_rate=k_golden / n,
                              candidate_rate=k_cand / n)
         if high < 0 and klass not in ("input_drift", "regression"):
             # Drift, not a regression: with a handful of samples per prompt, one prompt in twenty

@@ -9,7 +9,7 @@ baseline's prefill reference and scored against it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +83,7 @@ def run_arms(
     settings: NoiseSettings,
     *,
     thresholds: Any = None,
-    expected: dict[str, list[str]] | None = None,
+    expected: Mapping[str, Any] | None = None,
     executor: "Executor | None" = None,
     progress: "ProgressSink | None" = None,
     force: bool = False,

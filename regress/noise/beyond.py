@@ -194,8 +194,9 @@ def mcnemar_greater(only_candidate: int, only_noise: int) -> float:
 
 
 def _count_test(ids: Collection[str], regressed: Collection[str], envelopes: Mapping[str, PromptNoise],
-                t: Any) -> tuple[dict[str, Any], float, Callable[[float], bool]]:
-    """The regressed-prompts test's fields, its raw p and its materiality given the adjusted p."""
+                t: Any) -> tuple[dict[str, Any], float, bool]:
+    """The regressed-prompts test's fields, its raw p and whether its size is material (beyond
+    the noise once its Holm-adjusted p is below ``noise_alpha``)."""
     n = len(ids)
     mine, noise, only_mine, only_noise = regressed_prompts(ids, regressed, envelopes, t)
     p = mcnemar_greater(only_mine, only_noise)
@@ -206,7 +207,7 @@ def _count_test(ids: Collection[str], regressed: Collection[str], envelopes: Map
     fields = dict(measure=REGRESSED, label=REGRESSED_LABEL, prompts=n, candidate_mean=c_mean, noise_mean=n_mean,
                   ratio=ratio, above=only_mine, statistic=float(only_mine),
                   effect=(only_mine - only_noise) / (only_mine + only_noise) if only_mine + only_noise else 0.0)
-    return fields, p, lambda p_adj: bool(p_adj < t.noise_alpha and material)
+    return fields, p, bool(material)
 
 
 def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t: Any,
@@ -232,7 +233,7 @@ def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t
         excess = [c - e for c, e in zip(cand, noise)]
         statistic, p, effect = signed_rank(excess)
         raw.append((measure, cand, noise, excess, statistic, p, effect))
-    count_fields, count_p, count_beyond = _count_test(list(rows), regressed, envelopes, t)
+    count_fields, count_p, count_material = _count_test(list(rows), regressed, envelopes, t)
     adjusted = holm([p for *_, p, _ in raw] + [count_p])
     tests = []
     for (measure, cand, noise, excess, statistic, p, effect), p_adj in zip(raw, adjusted):
@@ -244,7 +245,7 @@ def compare_to_noise(rows: Mapping[str, Mapping[str, Any]], floor: NoiseFloor, t
             noise_mean=n_mean, ratio=ratio, above=sum(1 for d in excess if d > 0), statistic=statistic,
             p_value=p, p_adjusted=p_adj, effect=effect, beyond=bool(p_adj < alpha and material)))
     tests.append(MeasureTest(**count_fields, p_value=count_p, p_adjusted=adjusted[-1],
-                             beyond=count_beyond(adjusted[-1])))
+                             beyond=bool(adjusted[-1] < alpha and count_material)))
     left_out = len(unpaired)
     beyond = any(t.beyond for t in tests)
     return NoiseTest(alpha=alpha, min_ratio=min_ratio, measures=tests, left_out=left_out, beyond=beyond,

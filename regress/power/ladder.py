@@ -15,7 +15,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from regress.errors import ConfigError
 from regress.power.record import POWER_FILE, ArmStep, DetectionPower, PowerFigure, PowerStep
@@ -75,7 +75,7 @@ def run_ladder(
     thresholds: Any,
     metrics: list[tuple[Any, Any]],
     noise: "NoiseFloor | None",
-    expected: dict[str, list[str]] | None = None,
+    expected: Mapping[str, Any] | None = None,
     steps: Sequence[float] = DEFAULT_STEPS,
     seed: int = 0,
     progress: "ProgressSink | None" = None,

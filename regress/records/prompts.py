@@ -61,6 +61,13 @@ class PromptRecord(_Strict):
     see :mod:`regress.metrics.answers`). Scoring reports the answers golden and candidate get
     right and the flips between them. Stored as a list."""
 
+    reject: list[str] | None = None
+    """Answers that make an output wrong even where it also holds an expected one (needs
+    ``expected``): the wrong options of a question, so that a hedge naming every one (``Paris,
+    London or Rome``, ``A B C D``) is not counted right. Compared as ``expected`` is; a string or
+    a list, stored as a list. A rejected answer may hold an accepted one (``Paris, Texas`` for
+    ``Paris``), never be part of one (``York`` for ``New York``: every right output would hold it)."""
+
     choices: list[str] | None = None
     """Multiple choice: 2 to 26 distinct continuations, each scored by its log-likelihood after
     the rendered prompt (one prefill per choice, in the same engine session as the generation).
@@ -105,11 +112,12 @@ class PromptRecord(_Strict):
             raise ValueError(f"must be an integer index into 'choices' (0 = the first), got {_json_type(value)}")
         return value
 
-    @field_validator("expected", mode="before")
+    @field_validator("expected", "reject", mode="before")
     @classmethod
-    def _expected_answers(cls, value: Any) -> Any:
+    def _expected_answers(cls, value: Any, info: Any) -> Any:
         if value is None:
             return None
+        kind = "accepted answers" if info.field_name == "expected" else "rejected answers"
         from regress.metrics.answers import has_substance
 
         if isinstance(value, str):
@@ -120,9 +128,9 @@ class PromptRecord(_Strict):
                                  "would contain it")
             return [value]
         if not isinstance(value, list):
-            raise ValueError(f"must be a string or a list of strings (accepted answers), got {_json_type(value)}")
+            raise ValueError(f"must be a string or a list of strings ({kind}), got {_json_type(value)}")
         if not value:
-            raise ValueError("must hold at least one accepted answer")
+            raise ValueError(f"must hold at least one {kind[:-1]}")
         for i, answer in enumerate(value):
             where = f"answer {i + 1}: "
             if not isinstance(answer, str):
@@ -162,6 +170,22 @@ class PromptRecord(_Strict):
     def _exactly_one_input(self) -> "PromptRecord":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat)")
+        return self
+
+    @model_validator(mode="after")
+    def _reject_with_expected(self) -> "PromptRecord":
+        if self.reject is None:
+            return self
+        if self.expected is None:
+            raise _field_problem("reject", "needs 'expected': rejected answers only guard accepted ones")
+        from regress.metrics.answers import contains_answer, normalise
+
+        for i, wrong in enumerate(self.reject):
+            for right in self.expected:
+                w, r = normalise(wrong), normalise(right)
+                if contains_answer(r, w):
+                    raise _field_problem("reject", f"answer {i + 1} ({wrong!r}) is part of the accepted answer "
+                                                   f"{right!r}: every output holding {right!r} would be wrong")
         return self
 
     @model_validator(mode="after")

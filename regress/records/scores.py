@@ -34,6 +34,10 @@ class AnswerCheck(_Record):
     """The accepted answer found in the golden's output (the first one listed), if any."""
     candidate_match: str | None = None
     """The accepted answer found in the candidate's output (the first one listed), if any."""
+    golden_rejected: str | None = None
+    candidate_rejected: str | None = None
+    """A rejected answer (the prompt's ``reject``) found in that side's output, which makes it
+    wrong whatever else it holds; for sampled prompts, the first found in any sample."""
     golden_rate: float | None = None
     candidate_rate: float | None = None
     """Sampled prompts: the share of each side's samples that hold an accepted answer (the quality
