@@ -169,14 +169,42 @@ def test_a_public_index_never_redirects_the_watcher_into_its_own_network():
 def test_a_redirect_into_the_local_network_is_refused_before_any_request(servers, monkeypatch):
     import regress.watch.http as http_module
 
-    real = http_module.non_global_host
-    # "localhost" stands for an index on the internet here; 127.0.0.1 is the watcher's own host.
-    monkeypatch.setattr(http_module, "non_global_host", lambda host: host != "localhost" and real(host))
+    # "localhost" stands for an index on the internet here (its connection is let through);
+    # 127.0.0.1, where the redirect points, is the watcher's own host.
+    monkeypatch.setattr(http_module, "non_global_host", lambda host: host == "127.0.0.1")
+    monkeypatch.setattr(http_module, "non_global_address", lambda address: False)
     inside = servers(answer(200, page("1.0")))
     first = servers(redirect(302, lambda: f"{inside.url()}/simple/{PKG}/"))
-    with pytest.raises(PackageIndexError, match="outside the public internet"):
+    with pytest.raises(PackageIndexError, match=r"redirected from .* an address outside the public internet"):
         IndexClient(first.url("localhost") + "/simple").releases(PKG)
-    assert inside.requests == []
+    assert len(first.requests) == 1 and inside.requests == []
+
+
+def test_a_public_index_name_that_resolves_into_the_local_network_is_not_asked(servers, monkeypatch):
+    # DNS rebinding: the name looked public, and the connection reaches 127.0.0.1. The address
+    # the socket reached is judged, so nothing is sent.
+    import regress.watch.http as http_module
+
+    real = http_module.non_global_host
+    monkeypatch.setattr(http_module, "non_global_host", lambda host: host != "localhost" and real(host))
+    server = servers(answer(200, page("1.0")))
+    with pytest.raises(PackageIndexError, match="resolved to 127.0.0.1, an address outside the public internet"):
+        IndexClient(server.url("localhost") + "/simple").releases(PKG)
+    assert server.requests == []
+    # An index that is local by its own name is asked as always.
+    assert [r.version for r in IndexClient(server.url() + "/simple").releases(PKG)] == ["1.0"]
+
+
+def test_an_index_on_the_internet_is_still_reached_through_a_local_proxy(servers, monkeypatch):
+    # The proxy's address is not the index's: a proxy on 127.0.0.1 (or 10.x) is how many CI
+    # machines reach the internet, and is not judged.
+    proxy = servers(answer(200, page("1.0")))
+    for variable in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("http_proxy", proxy.url())
+    client = IndexClient("http://index.example.invalid/simple")  # public by its name (it resolves nowhere)
+    assert [r.version for r in client.releases(PKG)] == ["1.0"]
+    assert proxy.requests[-1][1] == f"http://index.example.invalid/simple/{PKG}/"
 
 
 def test_a_redirect_loop_is_an_error_not_a_hang(servers):

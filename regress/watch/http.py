@@ -12,7 +12,11 @@ control:
   host, port) they were given for and nowhere else. A GET may follow a redirect within that
   origin with them, and to another origin without them (what pip does), but never from https
   to http. A POST never follows a redirect: urllib would re-send it as a GET, or re-send the
-  token to wherever the server points; a 3xx answer to a POST is a failure.
+  token to wherever the server points; a 3xx answer to a POST is a failure;
+- **where it connects**: an exchange that begins at a public host never reaches an address
+  outside the public internet (loopback, private, link-local: the cloud's metadata service), by
+  a redirect or by a name that resolves there when connected (:func:`non_global_host`,
+  :func:`_connect`). An index on such an address itself (a local mirror) is asked as configured.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class _Watchdog:
     def __init__(self, deadline_s: float):
         self.deadline = time.monotonic() + deadline_s
         self.expired = False
+        self.public_only: str | None = None
+        """The host of the hop now asked, when the exchange began at a public host: a direct
+        connection to it must then reach a public address (:func:`_connect`)."""
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._timer = threading.Timer(deadline_s, self._expire)
@@ -125,17 +132,37 @@ class _Watchdog:
         self._timer.cancel()
 
 
+def _connect(connection: http.client.HTTPConnection, watchdog: _Watchdog, *args: Any, **kwargs: Any) -> socket.socket:
+    """The connection's socket, watched; refused when an exchange that began at a public host
+    reaches an address outside the public internet directly (a name that resolved to a public
+    address when the redirect was checked, and to 127.0.0.1 or 169.254.169.254 now: DNS
+    rebinding). Through a proxy (another host connected, or a CONNECT tunnel) the proxy's
+    address is not the index's, and is not judged."""
+    sock = watchdog.track(socket.create_connection(*args, **kwargs))
+    host = watchdog.public_only
+    if host is not None and connection._tunnel_host is None and connection.host.strip("[]").lower() == host:
+        try:
+            peer = str(sock.getpeername()[0])
+        except OSError:
+            peer = ""
+        if peer and non_global_address(peer):
+            sock.close()
+            raise OSError(f"{host} resolved to {peer}, an address outside the public internet, "
+                          "for an index on the internet; not asked")
+    return sock
+
+
 class _TrackedHTTP(http.client.HTTPConnection):
     def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._create_connection = lambda *a, **k: watchdog.track(socket.create_connection(*a, **k))
+        self._create_connection = functools.partial(_connect, self, watchdog)
 
 
 class _TrackedHTTPS(http.client.HTTPSConnection):
     def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._watchdog = watchdog
-        self._create_connection = lambda *a, **k: watchdog.track(socket.create_connection(*a, **k))
+        self._create_connection = functools.partial(_connect, self, watchdog)
 
     def connect(self) -> None:
         # HTTPSConnection.connect, with the TLS socket watched *before* its handshake: a
@@ -219,8 +246,10 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
     watchdog = _Watchdog(deadline_s)
     opener = urllib.request.build_opener(_NoRedirects(), _HTTPHandler(watchdog), _HTTPSHandler(watchdog, context))
     first = url
+    public = not non_global_host(urlsplit(first).hostname or "")
     try:
         for _ in range(MAX_REDIRECTS + 1):
+            watchdog.public_only = (urlsplit(url).hostname or "").lower() if public else None
             sent = dict(headers or {})
             if credentials and same_origin(url, first):
                 sent.update(credentials)
@@ -285,22 +314,25 @@ def non_global_host(host: str) -> bool:
     private, link-local, unique-local, shared, multicast, reserved or unspecified (an IPv4
     address mapped into IPv6 counts as itself). A host that does not resolve is not: its
     connection fails anyway. What a name resolves to can change between this check and the
-    connection (DNS rebinding): the check stops a redirect's plain word, not a hostile DNS."""
+    connection (DNS rebinding): :func:`_connect` judges the address the socket reached as well."""
     if not host:
         return False
     try:
         infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError, ValueError):
         return False
-    for info in infos:
-        try:
-            address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        except ValueError:
-            continue
-        mapped = getattr(address, "ipv4_mapped", None)
-        if not (mapped or address).is_global:
-            return True
-    return False
+    return any(non_global_address(str(info[4][0])) for info in infos)
+
+
+def non_global_address(address: str) -> bool:
+    """Whether an IP address (``10.0.0.5``, ``::ffff:127.0.0.1``, ``fe80::1%eth0``) is outside
+    the public internet; not an IP address at all: False."""
+    try:
+        parsed = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return not (mapped or parsed).is_global
 
 
 # --------------------------------------------------------------------------------------
