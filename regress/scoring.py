@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from regress.errors import ConfigError
 from regress.metrics import DEFAULT_METRICS, get_metric
 from regress.metrics.aggregate import aggregates
-from regress.metrics.answers import AnswerKey, matching_answer, rejected_answer
+from regress.metrics.answers import AnswerKey, answers_in
 from regress.metrics.base import MetricInfo, Pair
 from regress.metrics.choices import answer_check as choice_answer_check
 from regress.metrics.sampled_policy import prompt_units, run_shift, sampled_class
@@ -74,10 +74,9 @@ def expected_answers(prompt_set: Any) -> dict[str, AnswerKey]:
 def check_answer(golden_text: str, candidate_text: str, expected: AnswerKey | list[str]) -> AnswerCheck:
     """The expected answer checked in both outputs."""
     key = AnswerKey.of(expected)
-    g, c = matching_answer(golden_text, key), matching_answer(candidate_text, key)
+    (g, g_rejected), (c, c_rejected) = answers_in(golden_text, key), answers_in(candidate_text, key)
     return AnswerCheck(expected=list(key.accepted), golden_correct=g is not None, candidate_correct=c is not None,
-                       golden_match=g, candidate_match=c, golden_rejected=rejected_answer(golden_text, key.rejected),
-                       candidate_rejected=rejected_answer(candidate_text, key.rejected))
+                       golden_match=g, candidate_match=c, golden_rejected=g_rejected, candidate_rejected=c_rejected)
 
 
 def _quoted(answer: str | None) -> str:

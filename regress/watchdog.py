@@ -30,6 +30,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -287,3 +288,17 @@ def register_child(pid: int, *, group: bool = False) -> None:
 def unregister_child(pid: int) -> None:
     if _active is not None:
         _active.remove_child(pid)
+
+
+def kill_group(process: Any, wait_s: float | None = None) -> None:
+    """Kill the process group a child started with ``start_new_session=True`` leads (the child
+    and all it started), then reap the child: waiting at most ``wait_s`` (None: until it is gone;
+    a child in uninterruptible sleep can take a while to go)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from regress.envs.failures import (BuildFailure, classify_os_error, classify_pip, classify_probe, classify_venv,
-                                   diagnosis_lines, unlisted, pinned_version_problem)
+                                   diagnosis_lines, pinned_version_problem, unlisted)
 from regress.envs.integrity import _adopt, _check, _layer_base, _no_digest, _record_content
 from regress.envs.lock import _lock
 from regress.envs.lockfile import (EnvLock, constraint_args, has_lock, locked_distributions, pins_in_conflict, read_lock,
@@ -29,6 +28,7 @@ from regress.errors import CandidateEnvError, ConfigError, MissingDependencyErro
 from regress.home import vllm_cache_root
 from regress.records import CURRENT_ENVIRONMENT, CandidateSpec
 from regress.storage import atomic_write_text
+from regress.watchdog import child_process, kill_group
 
 _CLASHING = ("torchvision", "torchaudio", "torchcodec")
 
@@ -74,8 +74,6 @@ def _run_logged(cmd: list[str], log: Path, on_line: LineCallback | None) -> int:
         # the log keeps the command and pip's lines, never the secrets.
         fh.write(redact(f"$ {' '.join(cmd)}") + "\n")
         fh.flush()
-        from regress.watchdog import child_process
-
         # In a process group of its own, killed whole: a deadline or Ctrl-C while pip (or venv's
         # ensurepip) runs must not leave it installing on its own.
         proc = subprocess.Popen(
@@ -92,7 +90,7 @@ def _run_logged(cmd: list[str], log: Path, on_line: LineCallback | None) -> int:
                         on_line(line.rstrip())
                 return proc.wait()
             except BaseException:
-                _kill_group(proc)
+                kill_group(proc)
                 raise
 
 
@@ -101,14 +99,6 @@ def _read(log: Path) -> str:
         return log.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 def _tail(log: Path, lines: int = 15) -> str:
@@ -124,8 +114,6 @@ def _ask_pip_why(python: Path, requirements: list[str], log: Path) -> str:
     """pip found no release at all of ``requirements``, and says why only verbosely: ask it
     again (a dry run, verbose) and return the lines that say how each index answered (also
     added to the log). "" when pip cannot be asked."""
-    from regress.watchdog import child_process
-
     cmd = [str(python), "-m", "pip", "install", "--dry-run", "--no-deps", "-vv", *requirements]
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_environ(),
@@ -136,10 +124,10 @@ def _ask_pip_why(python: Path, requirements: list[str], log: Path) -> str:
         try:
             output, _ = proc.communicate(timeout=600)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return ""
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc)
             raise
     from regress.redact import redact
 

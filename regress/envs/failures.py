@@ -200,7 +200,7 @@ def pinned_version_problem(requirement: str, installed: dict[str, str]) -> str |
         got = Version(found)
     except InvalidVersion:
         return f"{req.name} {found!r} was installed for {requirement}, which is not a version"
-    if got != wanted or got.local is not None:
+    if got != wanted:  # a local label makes the versions unequal
         return (f"{req.name} {found} was installed for {requirement}: the index offered another build under that "
                 f"version (PEP 440's == matches local labels), which would be checked as {wanted}; to check "
                 f"that build, pin it by its whole version ({req.name}=={found})")

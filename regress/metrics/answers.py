@@ -129,6 +129,15 @@ def _first_in(text: str, answers: Iterable[str]) -> str | None:
     return None
 
 
+def answers_in(output: str, key: "str | Iterable[str] | AnswerKey") -> tuple[str | None, str | None]:
+    """(the first accepted answer ``output`` contains, if it holds no rejected one; the first
+    rejected answer it contains), each as given or None: the output normalised once."""
+    key = AnswerKey.of(key)
+    text = normalise(output)
+    rejected = _first_in(text, key.rejected)
+    return (None if rejected is not None else _first_in(text, key.accepted)), rejected
+
+
 def rejected_answer(output: str, rejected: Iterable[str]) -> str | None:
     """The first rejected answer (as given) that ``output`` contains; None when it holds none."""
     return _first_in(normalise(output), rejected)
@@ -139,10 +148,7 @@ def matching_answer(output: str, accepted: "str | Iterable[str] | AnswerKey",
     """The first accepted answer (as given) that ``output`` contains, if it contains no rejected
     one (``rejected``, or the key's); None otherwise."""
     key = AnswerKey.of(accepted)
-    text = normalise(output)
-    if _first_in(text, (*key.rejected, *rejected)) is not None:
-        return None
-    return _first_in(text, key.accepted)
+    return answers_in(output, AnswerKey(key.accepted, (*key.rejected, *rejected)))[0]
 
 
 def is_correct(output: str, accepted: "str | Iterable[str] | AnswerKey", rejected: Iterable[str] = ()) -> bool:

@@ -95,20 +95,25 @@ def prompt_units(pairs: list[Pair], values: list[dict[str, Any]]) -> list[Prompt
     return units
 
 
-def _first(found: list[str | None]) -> str | None:
-    return next((m for m in found if m is not None), None)
+@dataclass(frozen=True)
+class _SideAnswers:
+    """One side's samples against the answer key."""
+
+    correct: int
+    """Samples that hold an accepted answer and no rejected one."""
+    match: str | None
+    """The first accepted answer found in a correct sample."""
+    rejected: str | None
+    """The first rejected answer found in any sample."""
 
 
-def _answers(unit: PromptUnit, key: Any) -> tuple[int, int, list[str | None]]:
-    """(golden samples correct, candidate samples correct, [first golden match, first candidate
-    match, first rejected answer in a golden sample, in a candidate sample])."""
-    from regress.metrics.answers import matching_answer, rejected_answer
+def _side_answers(texts: list[str], key: Any) -> _SideAnswers:
+    from regress.metrics.answers import answers_in
 
-    g = [matching_answer(p.golden.text, key) for p in unit.pairs]
-    c = [matching_answer(p.candidate.text, key) for p in unit.pairs]
-    g_rejected = _first([rejected_answer(p.golden.text, key.rejected) for p in unit.pairs])
-    c_rejected = _first([rejected_answer(p.candidate.text, key.rejected) for p in unit.pairs])
-    return sum(m is not None for m in g), sum(m is not None for m in c), [_first(g), _first(c), g_rejected, c_rejected]
+    found = [answers_in(text, key) for text in texts]
+    matches = [m for m, _ in found if m is not None]
+    return _SideAnswers(len(matches), matches[0] if matches else None,
+                        next((r for _, r in found if r is not None), None))
 
 
 def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: Any,
@@ -131,13 +136,16 @@ def sampled_class(unit: PromptUnit, klass: str, reasons: list[str], expected: An
         from regress.stats import rate_difference
 
         key = AnswerKey.of(expected)
-        k_golden, k_cand, (g_match, c_match, g_rejected, c_rejected) = _answers(unit, key)
+        golden = _side_answers([p.golden.text for p in unit.pairs], key)
+        candidate = _side_answers([p.candidate.text for p in unit.pairs], key)
+        k_golden, k_cand = golden.correct, candidate.correct
         diff, low, high = rate_difference(k_cand, n, k_golden, n, t.confidence)
         row.update(answer_rate_golden=k_golden / n, answer_rate_candidate=k_cand / n,
                    answer_rate_diff=diff, answer_rate_diff_low=low, answer_rate_diff_high=high)
         answer = AnswerCheck(expected=list(key.accepted), golden_correct=2 * k_golden >= n,
-                             candidate_correct=2 * k_cand >= n, golden_match=g_match, candidate_match=c_match,
-                             golden_rejected=g_rejected, candidate_rejected=c_rejected, golden_rate=k_golden / n,
+                             candidate_correct=2 * k_cand >= n, golden_match=golden.match,
+                             candidate_match=candidate.match, golden_rejected=golden.rejected,
+                             candidate_rejected=candidate.rejected, golden_rate=k_golden / n,
                              candidate_rate=k_cand / n)
         if high < 0 and klass not in ("input_drift", "regression"):
             # Drift, not a regression: with a handful of samples per prompt, one prompt in twenty

@@ -265,7 +265,7 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
                     status = answer.status if hasattr(answer, "status") else answer.code
                     location = answer.headers.get("Location")
                     if 300 <= status < 400 and location and status != 304:
-                        url = _next_hop(url, first, location, status, method, fail)
+                        url = _next_hop(url, first, location, status, method, fail, first_public=public)
                         continue
                     body = _read_bounded(answer, max_bytes, fail)
                     if watchdog.expired:
@@ -286,7 +286,10 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
         watchdog.stop()
 
 
-def _next_hop(url: str, first: str, location: str, status: int, method: str, fail: Failure) -> str:
+def _next_hop(url: str, first: str, location: str, status: int, method: str, fail: Failure,
+              first_public: bool | None = None) -> str:
+    """Where a redirect from ``url`` goes, or ``fail``: see the module's docstring.
+    ``first_public``: whether ``first``'s host is public, when the caller knows (else resolved)."""
     target = urljoin(url, location.strip())
     if method != "GET":
         # urllib would turn a 301/302/303 POST into a GET without the body and follow a
@@ -300,7 +303,9 @@ def _next_hop(url: str, first: str, location: str, status: int, method: str, fai
         raise fail(f"redirected from https to plain http ({redact(target)}), which is not followed")
     if not same_origin(target, first):
         host = urlsplit(target).hostname or ""
-        if non_global_host(host) and not non_global_host(urlsplit(first).hostname or ""):
+        if first_public is None:
+            first_public = not non_global_host(urlsplit(first).hostname or "")
+        if first_public and non_global_host(host):
             # An index on the internet may send the watcher to a CDN, never into the watcher's
             # own network: the cloud's metadata service (169.254.169.254), a Redis on localhost,
             # a service behind the firewall. An index that is itself local may redirect anywhere.

@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from regress.errors import BrokerError, CheckCommandFailed, ConfigError, RunError
 from regress.plugins import Registry
+from regress.watch.state_records import is_relative_report
+from regress.watchdog import kill_group
 
 if TYPE_CHECKING:
     from regress.watch.config import WatchConfig
@@ -158,8 +160,6 @@ def report_path(page: Path | None, root: Path) -> tuple[str | None, str | None]:
         relative = Path(os.path.abspath(page)).relative_to(os.path.abspath(root)).as_posix()
     except ValueError:
         return None, f"report: {page}"
-    from regress.watch.state import is_relative_report
-
     return (relative, None) if is_relative_report(relative) else (None, f"report: {page}")
 
 
@@ -194,7 +194,7 @@ def run_check_command(request: CheckRequest) -> TriggerOutcome:
     try:
         returncode = process.wait(timeout=request.check_timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(process)
+        kill_group(process, wait_s=10)
         for tail in tails:
             tail.join(5)
         shown = tails[1].text() or tails[0].text()
@@ -202,7 +202,7 @@ def run_check_command(request: CheckRequest) -> TriggerOutcome:
                                  f"({request.check_timeout_s:g} s) for {request.requirement}: killed"
                                  + (f": {shown}" if shown else "")) from None
     except BaseException:
-        _kill_group(process)
+        kill_group(process, wait_s=10)
         raise
     for tail in tails:
         tail.join(5)
@@ -247,19 +247,6 @@ class _Tail:
 
     def text(self) -> str:
         return bytes(self._kept).decode("utf-8", "replace").strip()[-1000:]
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 # --------------------------------------------------------------------------------------
