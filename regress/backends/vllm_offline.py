@@ -22,6 +22,7 @@ from regress.backends.base import (
     read_chat_template,
     tokenizer_facts,
 )
+from regress.backends import vllm_prefix_cache as prefix_cache
 from regress.backends import vllm_scored_positions as scored_positions
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
@@ -103,6 +104,11 @@ class VllmOfflineBackend(EngineBackend):
         # Teacher forcing scores only the completion's positions where the engine allows it
         # (regress.backends.vllm_scored_positions): most of a prefill's logprob work otherwise.
         self._scored_from_unavailable = scored_positions.enable(self._llm, _vocab_size(model_config))
+        # ... and reads the prompt's keys and values from the prefix cache, up to the completion,
+        # where that gives the same bits as prefilling it again (regress.backends.vllm_prefix_cache).
+        self._prefix_cache_unavailable = (
+            prefix_cache.enable(self._llm, _vocab_size(model_config)) if self._scored_from_unavailable is None
+            else "teacher forcing scores every position, so no position may be read from the cache")
         return {
             "resolved_path": str(getattr(model_config, "model", spec["model"])),
             "revision": getattr(model_config, "revision", None) or spec.get("revision"),
@@ -161,6 +167,9 @@ class VllmOfflineBackend(EngineBackend):
             "teacher_force_positions": "completion" if self._scored_from_unavailable is None else "all",
             **({"teacher_force_positions_reason": self._scored_from_unavailable}
                if self._scored_from_unavailable is not None else {}),
+            "teacher_force_prefix_cache": "read" if self._prefix_cache_unavailable is None else "not read",
+            **({"teacher_force_prefix_cache_reason": self._prefix_cache_unavailable}
+               if self._prefix_cache_unavailable is not None else {}),
         })
 
     def sampling_applied(self, sampling: dict[str, Any]) -> dict[str, Any] | None:
@@ -236,8 +245,12 @@ class VllmOfflineBackend(EngineBackend):
         def params(prompt_length: int) -> Any:
             # Logprobs from the completion's first token (row prompt_length - 1) where the engine
             # allows (rows before it are zeros there and never read).
-            scored = ({"extra_args": {scored_positions.SCORE_FROM: prompt_length - 1}}
-                      if self._scored_from_unavailable is None and prompt_length > 1 else {})
+            scored: dict[str, Any] = {}
+            if self._scored_from_unavailable is None and prompt_length > 1:
+                scored["extra_args"] = {scored_positions.SCORE_FROM: prompt_length - 1}
+                if self._prefix_cache_unavailable is None:
+                    # Up to the completion's first row from the prefix cache (the lookup is capped there).
+                    scored["skip_reading_prefix_cache"] = False
             return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k, detokenize=False,
                                   **extra, **scored)
 

@@ -57,7 +57,8 @@ def _runner_class() -> Any:
     return GPUModelRunner
 
 
-def _start(request: Any) -> int | None:
+def score_from(request: Any) -> int | None:
+    """The first prompt row a vLLM request wants logprobs at (:data:`SCORE_FROM`), else None."""
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None)
     if not isinstance(extra, dict):
@@ -75,7 +76,7 @@ def _scored_positions(original: Any) -> Any:
             for req_id in list(self.num_prompt_logprobs):
                 request = self.requests.get(req_id)
                 count = num_scheduled_tokens.get(req_id)
-                start = _start(request)
+                start = score_from(request)
                 if start is None or count is None:
                     continue
                 skip = max(0, min(start - request.num_computed_tokens, count))
@@ -96,7 +97,7 @@ def _scored_positions(original: Any) -> Any:
         finally:
             _restore(self, moved)
         for req_id, tensors in result.items():
-            start = _start(self.requests.get(req_id))
+            start = score_from(self.requests.get(req_id))
             if start is not None and tensors is not None:
                 for tensor in tuple(tensors)[:3]:  # token ids, logprobs, ranks: rows never computed
                     tensor[:start].zero_()

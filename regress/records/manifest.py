@@ -357,6 +357,14 @@ class EffectiveConfig(_Record):
     does by itself). None where the backend does not say (manifests written before it: ``all``)."""
     teacher_force_positions_reason: str | None = Field(None, exclude_if=lambda v: v is None)
     """With ``all`` on an engine that could have done ``completion``: why not."""
+    teacher_force_prefix_cache: str | None = Field(None, exclude_if=lambda v: v is None)
+    """Whether teacher forcing read the prompt's keys and values from the prefix cache, up to the
+    completion's first position (``read``, :mod:`regress.backends.vllm_prefix_cache`), or prefilled
+    them again (``not read``). None where the backend does not say (manifests written before it:
+    not read)."""
+    teacher_force_prefix_cache_reason: str | None = Field(None, exclude_if=lambda v: v is None)
+    """With ``not read``: why (prefix caching off, or the probe found the cache not to hold what a
+    prefill computes)."""
     server: dict[str, Any] | None = None
     """``server`` backend only: the server's URL (credentials never recorded), endpoint, requests in
     flight, whether regress started it, and the vLLM version the server reports."""

@@ -157,6 +157,7 @@ _EFFECTIVE_ROWS = (
     ("max_num_batched_tokens", "max num batched tokens"), ("batch_invariant", "batch invariant"),
     ("generation_config", "generation_config"), ("server", "server"),
     ("teacher_force_positions", "teacher-forced positions"),
+    ("teacher_force_prefix_cache", "teacher forcing's prefix cache"),
 )
 
 
