@@ -123,6 +123,9 @@ def test_teacher_forcing_scored_only_the_completions_and_agrees_with_each_candid
                                         ("w4a16", 0.1, 2.0)):
         run = load_run(pipeline / "runs" / name)
         assert run.manifest.effective.teacher_force_positions == "completion", name
+        # With the demo's 32-token blocks each engine's probe found the prefix cache to give the
+        # fresh prefill's bits, so teacher forcing read the prompts from it (vllm_prefix_cache).
+        assert run.manifest.effective.teacher_force_prefix_cache == "read", name
         gaps = []
         for pid in run.manifest.teacher_force_prefilled:
             mine, theirs = run[pid], golden[pid]

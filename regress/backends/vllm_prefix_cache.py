@@ -25,9 +25,15 @@ on the loaded engine (:func:`verify`): a probe sequence cached whole, then teach
 position inside its second block, must hit exactly its first block and give the same logprobs, bit
 for bit, as the same request prefilled afresh. Otherwise the wrapper is taken out and teacher
 forcing prefills the prompt again, as before (the reason is recorded in the run's effective
-settings). A KV cache that stores a lossy form of the keys and values (an FP8 KV cache) fails the
-probe where a fresh prefill attends to the unquantized ones, so such a candidate's teacher forcing
-is not changed by this.
+settings).
+
+What the probe cannot promise: the same bits for a sequence whose own prefill already depends on
+its batch. The CPU engine's attention divides a long sequence's work among its threads by what
+the whole step holds, so a prompt of 1,151-2,785 tokens is scored differently alone than in its
+shard (up to 0.15 nat per position, bf16), and a step made shorter by the cache moves it the same
+way. On the demo every teacher-forced sequence of up to a few hundred tokens kept its bits with the
+cache read (next, FP8 KV, W8A8, W4A16); its three long-context prompts moved within that batch
+variance (docs/benchmarks.md).
 
 Runs in candidate environments: the standard library, numpy and vLLM only.
 """
