@@ -103,11 +103,12 @@ class VllmOfflineBackend(EngineBackend):
         self._flat = _supports_flat_logprobs()
         # Teacher forcing scores only the completion's positions where the engine allows it
         # (regress.backends.vllm_scored_positions): most of a prefill's logprob work otherwise.
-        self._scored_from_unavailable = scored_positions.enable(self._llm, _vocab_size(model_config))
+        vocab_size = _vocab_size(model_config)
+        self._scored_from_unavailable = scored_positions.enable(self._llm, vocab_size)
         # ... and reads the prompt's keys and values from the prefix cache, up to the completion,
         # where that gives the same bits as prefilling it again (regress.backends.vllm_prefix_cache).
         self._prefix_cache_unavailable = (
-            prefix_cache.enable(self._llm, _vocab_size(model_config)) if self._scored_from_unavailable is None
+            prefix_cache.enable(self._llm, vocab_size) if self._scored_from_unavailable is None
             else "teacher forcing scores every position, so no position may be read from the cache")
         return {
             "resolved_path": str(getattr(model_config, "model", spec["model"])),

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from regress.backends import vllm_patch
 from regress.backends import vllm_scored_positions as scored_positions
 
 _MARK = "_regress_capped_prefix_lookup"
@@ -61,8 +62,8 @@ def _manager_class() -> Any:
 def _hash_block_size(manager: Any) -> int | None:
     """Tokens per block hash of ``manager``'s requests, else None (then no hit is allowed)."""
     coordinator = getattr(manager, "coordinator", None)
-    for owner, name in ((coordinator, "hash_block_size"), (getattr(coordinator, "block_pool", None), "hash_block_size")):
-        value = getattr(owner, name, None)
+    for owner in (coordinator, getattr(coordinator, "block_pool", None)):
+        value = getattr(owner, "hash_block_size", None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -82,7 +83,6 @@ def _capped_lookup(original: Any) -> Any:
         finally:
             request.block_hashes = hashes
 
-    setattr(wrapper, _MARK, original)
     return wrapper
 
 
@@ -98,11 +98,8 @@ def install() -> str | None:
         SamplingParams(prompt_logprobs=1, skip_reading_prefix_cache=False)
     except TypeError:
         return "SamplingParams has no skip_reading_prefix_cache"
-    method = getattr(manager, "get_computed_blocks", None)
-    if method is None:
+    if not vllm_patch.wrap(manager, "get_computed_blocks", _capped_lookup, _MARK):
         return "the KV cache manager has no get_computed_blocks"
-    if not hasattr(method, _MARK):
-        manager.get_computed_blocks = _capped_lookup(method)
     return None
 
 
@@ -111,9 +108,7 @@ def uninstall() -> None:
         manager = _manager_class()
     except ImportError:
         return
-    method = getattr(manager, "get_computed_blocks", None)
-    if method is not None and hasattr(method, _MARK):
-        manager.get_computed_blocks = getattr(method, _MARK)
+    vllm_patch.unwrap(manager, "get_computed_blocks", _MARK)
 
 
 def _block_size(llm: Any) -> int | None:
@@ -190,13 +185,4 @@ def _chosen(positions: Any, ids: list[int], start: int) -> np.ndarray | None:
 
 def enable(llm: Any, vocab_size: int) -> str | None:
     """Install and verify; on any failure leave vLLM as it was. Returns the reason, else None."""
-    reason = install()
-    if reason is not None:
-        return reason
-    try:
-        reason = verify(llm, vocab_size)
-    except Exception as exc:  # noqa: BLE001 - any failure means: prefill the prompt again
-        reason = f"the probe failed: {type(exc).__name__}: {exc}"
-    if reason is not None:
-        uninstall()
-    return reason
+    return vllm_patch.verified(install, lambda: verify(llm, vocab_size), uninstall)

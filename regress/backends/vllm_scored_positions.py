@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from regress.backends import vllm_patch
+
 SCORE_FROM = "regress_prompt_logprobs_from"
 """``SamplingParams.extra_args`` key: the first prompt position whose logprobs are wanted."""
 
@@ -103,7 +105,6 @@ def _scored_positions(original: Any) -> Any:
                     tensor[:start].zero_()
         return result
 
-    setattr(wrapper, _MARK, original)
     return wrapper
 
 
@@ -120,11 +121,8 @@ def install() -> str | None:
         runner = _runner_class()
     except ImportError as exc:
         return f"no V1 model runner to wrap ({exc})"
-    method = getattr(runner, "_get_prompt_logprobs_dict", None)
-    if method is None:
+    if not vllm_patch.wrap(runner, "_get_prompt_logprobs_dict", _scored_positions, _MARK):
         return "the model runner has no _get_prompt_logprobs_dict"
-    if not hasattr(method, _MARK):
-        runner._get_prompt_logprobs_dict = _scored_positions(method)
     return None
 
 
@@ -133,9 +131,7 @@ def uninstall() -> None:
         runner = _runner_class()
     except ImportError:
         return
-    method = getattr(runner, "_get_prompt_logprobs_dict", None)
-    if method is not None and hasattr(method, _MARK):
-        runner._get_prompt_logprobs_dict = getattr(method, _MARK)
+    vllm_patch.unwrap(runner, "_get_prompt_logprobs_dict", _MARK)
 
 
 def verify(llm: Any, vocab_size: int) -> str | None:
@@ -189,13 +185,4 @@ def _chosen(positions: Any, ids: list[int]) -> np.ndarray | None:
 
 def enable(llm: Any, vocab_size: int) -> str | None:
     """Install and verify; on any failure leave vLLM as it was. Returns the reason, else None."""
-    reason = install()
-    if reason is not None:
-        return reason
-    try:
-        reason = verify(llm, vocab_size)
-    except Exception as exc:  # noqa: BLE001 - any failure means: score every position
-        reason = f"the probe failed: {type(exc).__name__}: {exc}"
-    if reason is not None:
-        uninstall()
-    return reason
+    return vllm_patch.verified(install, lambda: verify(llm, vocab_size), uninstall)
