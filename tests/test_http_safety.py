@@ -171,7 +171,7 @@ def test_a_redirect_into_the_local_network_is_refused_before_any_request(servers
 
     # "localhost" stands for an index on the internet here (its connection is let through);
     # 127.0.0.1, where the redirect points, is the watcher's own host.
-    monkeypatch.setattr(http_module, "non_global_host", lambda host: host == "127.0.0.1")
+    monkeypatch.setattr(http_module, "non_global_host", lambda host, **_: host == "127.0.0.1")
     monkeypatch.setattr(http_module, "non_global_address", lambda address: False)
     inside = servers(answer(200, page("1.0")))
     first = servers(redirect(302, lambda: f"{inside.url()}/simple/{PKG}/"))
@@ -186,7 +186,7 @@ def test_a_public_index_name_that_resolves_into_the_local_network_is_not_asked(s
     import regress.watch.http as http_module
 
     real = http_module.non_global_host
-    monkeypatch.setattr(http_module, "non_global_host", lambda host: host != "localhost" and real(host))
+    monkeypatch.setattr(http_module, "non_global_host", lambda host, **_: host != "localhost" and real(host))
     server = servers(answer(200, page("1.0")))
     with pytest.raises(PackageIndexError, match="resolved to 127.0.0.1, an address outside the public internet"):
         IndexClient(server.url("localhost") + "/simple").releases(PKG)
@@ -397,6 +397,41 @@ def test_a_trickling_webhook_is_cut_off_too(servers):
     started = time.monotonic()
     with pytest.raises(PostError, match="deadline"):
         post_json(server.url() + "/hook", {}, deadline_s=1.0)
+    assert time.monotonic() - started < 4
+
+
+@pytest.fixture
+def hanging_dns(monkeypatch):
+    """Names ending in ``.hangs.example`` take a minute to resolve (a DNS server that never
+    answers); every other name resolves as usual."""
+    import socket
+
+    real = socket.getaddrinfo
+    release = threading.Event()
+
+    def getaddrinfo(host, *args, **kwargs):
+        if str(host).endswith(".hangs.example"):
+            release.wait(60)
+            raise socket.gaierror("the test's resolver gave up")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield
+    release.set()
+
+
+@pytest.mark.parametrize("where", ["index", "webhook", "redirect"])
+def test_a_name_that_never_resolves_is_cut_off_at_the_deadline(servers, hanging_dns, where):
+    started = time.monotonic()
+    if where == "webhook":
+        with pytest.raises(PostError, match="deadline"):
+            post_json("http://hook.hangs.example/hook", {}, deadline_s=1.0)
+    else:
+        url = "http://index.hangs.example/simple"
+        if where == "redirect":  # the first host answers; the one it points to never resolves
+            url = servers(redirect(302, lambda: f"http://cdn.hangs.example/simple/{PKG}/")).url() + "/simple"
+        with pytest.raises(PackageIndexError, match="deadline"):
+            IndexClient(url, timeout_s=30, deadline_s=1.0).releases(PKG)
     assert time.monotonic() - started < 4
 
 

