@@ -47,7 +47,7 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
     def fmt(value, pattern="{:.3f}"):  # type: ignore[no-untyped-def]
         return "n/a" if value is None else pattern.format(value)
 
-    from regress.report.overview import measures
+    from regress.report.overview import load_note, measures
 
     # The run's measures as the metrics declare them (label, format, order), plugins' included.
     # A quick check generated nothing: what it has is teacher-forced (no exact match of outputs to
@@ -61,7 +61,8 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
              if prefill else
              f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
              f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
-             + (f"\n  {m.speed_note}" if m.speed_comparable is False else ""))
+             + (f"\n  {m.speed_note}" if m.speed_comparable is False else "")
+             + (f"\n  {load_note(report)}" if load_note(report) else ""))
     _out(
         f"{m.candidate}: {decision} (gated on {m.gate}; {verdicts})  {m.prompts} prompts: {m.identical} identical"
         f"{' logprobs' if prefill else ''}, {m.benign} benign, "

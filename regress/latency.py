@@ -185,3 +185,18 @@ def speed_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> t
     if abs(g - c) > bound:
         return False, f"speeds not comparable: {said}; re-time both on a quiet machine"
     return True, f"speeds comparable: {said}"
+
+
+def load_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> tuple[bool | None, str | None]:
+    """Whether two runs' engine loads compare (:class:`regress.records.Timings` each), and why:
+    the cores busy beside each engine during its load (``engine_load_beside_cores``) differ by at
+    most ``bound``. A candidate whose baseline's engine started beside it (to score its samples)
+    loaded on a busier machine than its golden. (None, None) when either run did not record it."""
+    g, c = golden.engine_load_beside_cores, run.engine_load_beside_cores
+    if g is None or c is None:
+        return None, None
+    said = (f"beside the engine, {g:.1f} cores were busy during the golden's engine load and {c:.1f} "
+            f"during the candidate's")
+    if abs(g - c) > bound:
+        return False, f"engine loads not comparable: {said}"
+    return True, f"engine loads comparable: {said}"

@@ -27,6 +27,8 @@ def test_golden_records_outputs_logprobs_and_how_it_was_made(golden_dir, fixture
     t = m.timings
     assert 0 < t.generation_cpu_s and t.load_avg is not None and t.cpu_count == m.hardware.cpu_count
     assert t.other_load() is not None and t.other_load() >= 0
+    # ... and the cores busy beside it while it loaded (what the report compares loads by).
+    assert t.engine_load_beside_cores is not None and t.engine_load_beside_cores >= 0
     assert m.layout.shard_size == 16 and [s.count for s in m.layout.shards] == [16, 16, 8]
     assert m.dataset.prompts == 40 == len(run)
     t = m.timings

@@ -1,5 +1,6 @@
 """Figures measured under the same conditions, or said not to be (issue 30): every run records the
-engine's CPU time and the machine's load during generation; a golden timed while something else
+engine's CPU time and the machine's load during generation, and the cores busy beside the engine
+during its load; a golden timed while something else
 ran (a pip build beside it) makes the page say the speeds are not comparable instead of
 colouring a speed-up; the configuration diff leaves out where a cache lives. No engine."""
 
@@ -12,7 +13,7 @@ import markupsafe
 import pytest
 
 from report_fixtures import build_case
-from regress.latency import PERF_LOAD_BOUND, speed_comparison
+from regress.latency import PERF_LOAD_BOUND, load_comparison, speed_comparison
 from regress.records import Timings
 from regress.replay.manifest import _machine_load
 
@@ -58,6 +59,53 @@ def test_the_page_does_not_colour_a_speed_up_measured_against_a_busy_golden(tmp_
     assert rows["peak memory"].direction != "incomparable"  # memory does not depend on the load
     page = render_candidate(busy, case.golden, case.run, case.prompt_set)
     assert str(markupsafe.escape(note)) in page and "perf-incomparable" in page
+
+
+def test_the_engine_measures_the_cores_busy_beside_it() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from regress.engine.facts import cores_beside, cpu_seconds
+
+    # Another process spinning for 1.5 s is one core beside this one (which sleeps); more may be
+    # busy on a shared machine, never less.
+    before, started = cpu_seconds(), time.monotonic()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"],
+                   check=True)
+    beside = cores_beside(before, cpu_seconds(), time.monotonic() - started)
+    assert beside is not None and beside >= 0.5, beside
+    # This process's own work is not beside it.
+    assert cores_beside((100.0, 5.0), (110.0, 15.0), 10.0) == 0.0
+    assert cores_beside((100.0, 5.0), (130.0, 15.0), 10.0) == 2.0
+    assert cores_beside((None, 5.0), (130.0, 15.0), 10.0) is None and cores_beside((1.0, 0.0), (2.0, 0.0), 0.0) is None
+
+
+def test_engine_loads_beside_different_work_are_not_compared(tmp_path: Path) -> None:
+    """The baseline's engine starting beside a candidate's (to score its samples) is a core of
+    work beside that load: its figure against the golden's quiet load is shown, not coloured."""
+    from regress.report.overview import performance
+    from regress.report.render import render_candidate
+
+    quiet, beside = (_timings(1.0, 40.0).model_copy(update={"engine_load_beside_cores": c}) for c in (0.1, 1.2))
+    ok, note = load_comparison(quiet, beside)
+    assert ok is False and "0.1 cores were busy during the golden's engine load and 1.2 during the candidate's" in note
+    assert load_comparison(quiet, quiet.model_copy(update={"engine_load_beside_cores": 0.5}))[0] is True
+    assert load_comparison(_timings(1.0, 40.0), beside) == (None, None)  # an older run: nothing said
+
+    case = build_case(tmp_path, 12, tokens=16, semantic=False)
+
+    def with_loads(golden: float, candidate: float):
+        def timed(run, cores):
+            return run.model_copy(update={"timings": run.timings.model_copy(update={"engine_load_beside_cores": cores})})
+        return case.score.model_copy(update={"golden": timed(case.score.golden, golden), "run": timed(case.score.run, candidate)})
+
+    rows = {row.label: row for row in performance(with_loads(0.0, 1.0))}
+    assert rows["engine load"].direction == "incomparable"
+    assert rows["throughput"].direction == "better"  # the generations ran alike: still compared
+    page = render_candidate(with_loads(0.0, 1.0), case.golden, case.run, case.prompt_set)
+    assert "engine loads not comparable" in page
+    assert {row.label: row for row in performance(with_loads(0.9, 1.0))}["engine load"].direction != "incomparable"
 
 
 def test_the_configuration_diff_leaves_out_where_a_cache_lives(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """What the engine process reports about where it runs, and what it asks of the kernel (AMX).
 
-It reports the hardware, the peak memory and the model snapshot it loaded; the one thing it asks
-of the kernel, before the engine starts, is AMX.
+It reports the hardware, the peak memory, the model snapshot it loaded and how busy the rest of
+the machine was while it loaded; the one thing it asks of the kernel, before the engine starts,
+is AMX.
 
 Runs inside the candidate's environment: standard library only (torch is looked at only when
 the engine already imported it).
@@ -45,6 +46,31 @@ def hardware() -> Hardware:
         "gpus": gpus,
         "platform": f"{platform.system()} {platform.release()} {platform.machine()}",
     }
+
+
+def cpu_seconds() -> tuple[float | None, float]:
+    """(The whole machine's busy CPU seconds since boot, all CPUs, from ``/proc/stat``: None
+    where it cannot be read; this process's own CPU seconds, all its threads)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    mine = own.ru_utime + own.ru_stime
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = fh.readline().split()
+        # cpu  user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait
+        ticks = [int(v) for v in fields[1:9]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None, mine
+    return busy, mine
+
+
+def cores_beside(before: tuple[float | None, float], after: tuple[float | None, float], wall_s: float) -> float | None:
+    """How many cores the rest of the machine kept busy between two :func:`cpu_seconds`
+    readings ``wall_s`` apart: its busy time less this process's own, over the wall time (None
+    where the machine's time is unknown or no time passed)."""
+    if before[0] is None or after[0] is None or wall_s <= 0:
+        return None
+    return round(max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s, 2)
 
 
 def memory() -> MemoryUsage:

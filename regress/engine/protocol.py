@@ -113,6 +113,7 @@ class EngineInfo(TypedDict, total=False):
     snapshot_path: str | None
     amx_permission_requested: bool
     engine_load_s: float
+    engine_load_beside_cores: float | None
     versions: dict[str, str | None]
     hardware: Hardware
     memory: MemoryUsage
@@ -517,6 +518,7 @@ def _engine_info(value: Any, what: str) -> EngineInfo:
     f = _Fields(value, what)
     f.get("versions", _is_versions, "an object of package -> version (or null)")
     f.get("engine_load_s", _is_amount, "a finite number >= 0")
+    f.get("engine_load_beside_cores", _optional(_is_amount), "a finite number >= 0 or null", optional=True)
     _hardware(f.get("hardware", _is_dict, "an object"), f"{what}, hardware")
     _memory(f.get("memory", _is_dict, "an object"), f"{what}, memory")
     for name in ("resolved_path", "revision", "dtype", "quantization", "snapshot_path"):

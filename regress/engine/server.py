@@ -160,6 +160,7 @@ class EngineServer:
 
     def load(self, spec: dict[str, Any]) -> LoadReply:
         started = time.perf_counter()
+        clock = facts.cpu_seconds()
         amx = facts.request_amx_permission()
         backend = get_backend_class(spec["backend"])(spec)
         loaded = backend.load()
@@ -167,11 +168,15 @@ class EngineServer:
         if spec.get("chat_template"):
             with open(spec["chat_template"], encoding="utf-8") as fh:
                 self.chat_template = fh.read()
+        load_s = time.perf_counter() - started
         info: EngineInfo = {
             **loaded,  # type: ignore[typeddict-item]
             "snapshot_path": facts.resolve_hub_snapshot(spec["model"], spec.get("revision")),
             "amx_permission_requested": amx,
-            "engine_load_s": time.perf_counter() - started,
+            "engine_load_s": load_s,
+            # What else ran during the load (another engine starting, a pip build): the report
+            # compares two loads only where this is about the same (regress.latency).
+            "engine_load_beside_cores": facts.cores_beside(clock, facts.cpu_seconds(), load_s),
             "versions": backend.versions(),
             "hardware": facts.hardware(),
             "memory": facts.memory(),

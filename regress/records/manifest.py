@@ -148,6 +148,10 @@ class Timings(_Measured):
 
     engine_load_s: float
     """Engine start-up (weights, compile, KV cache)."""
+    engine_load_beside_cores: float | None = None
+    """Cores the rest of the machine kept busy during the engine's load (its busy CPU time less
+    the engine process's own, over the load's wall time): another engine starting beside it, a pip
+    build. None where unknown, for a run on a warm engine, or in older runs."""
     generation_s: float
     """Free-running generation over all shards."""
     teacher_forcing_s: float = 0.0

@@ -186,6 +186,7 @@ def build_manifest(plan: ReplayPlan, outcome: ExecutionOutcome, shard_metas: lis
         prefill_only=plan.prefill_only,
         timings=Timings(
             engine_load_s=round(outcome.engine_load_s or _earlier_load_s(outcome, info), 3),
+            engine_load_beside_cores=None if outcome.reused else info.get("engine_load_beside_cores"),
             generation_s=round(generation_s, 3),
             teacher_forcing_s=round(tf_s, 3),
             total_s=round(total_s, 3),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from regress.latency import load_comparison
 from regress.metrics import output_specs
 from regress.records import RunMetrics, ScoredRun
 from regress.report.payload import CLASS_ORDER, ranked
@@ -249,6 +250,12 @@ def _not_comparable(row: PerfRow) -> PerfRow:
     return PerfRow(row.label, row.golden, row.candidate, change, "incomparable")
 
 
+def load_note(score: ScoredRun) -> str | None:
+    """Why the engine-load row is not compared (its loads ran beside different work), or None."""
+    comparable, note = load_comparison(score.golden.timings, score.run.timings)
+    return note if comparable is False and score.metrics.speed_comparable is not False else None
+
+
 def performance(score: ScoredRun) -> list[PerfRow]:
     m, gt, rt = score.metrics, score.golden.timings, score.run.timings
     timed = [
@@ -258,6 +265,8 @@ def performance(score: ScoredRun) -> list[PerfRow]:
     ]
     if m.speed_comparable is False:  # a speed-up measured against a busy golden is contention, not the candidate
         timed = [_not_comparable(row) for row in timed]
+    elif load_note(score) is not None:  # the engine loads alone ran beside different work
+        timed[1] = _not_comparable(timed[1])
     rows = [*timed[:2], _perf("peak memory", m.golden_peak_memory_mib, m.peak_memory_mib, "MiB", False), timed[2]]
     if score.golden.memory.peak_gpu_mib is not None or score.run.memory.peak_gpu_mib is not None:
         rows.append(_perf("peak GPU memory", score.golden.memory.peak_gpu_mib, score.run.memory.peak_gpu_mib, "MiB", False))

@@ -118,6 +118,7 @@ def render_candidate(score: ScoredRun, golden: RunResult, run: RunResult, prompt
         # rate at its interval's lower bound, lost answers, a sampled shift).
         "verdict_says": score.verdict_reasons[0] if score.verdict_reasons else "the run failed",
         "performance": overview.performance(score),
+        "load_note": overview.load_note(score),
         "worst": overview.worst(score),
         "changed": [s for s in settings if s.changed],
         "settings": settings,
