@@ -29,6 +29,7 @@ def test_golden_records_outputs_logprobs_and_how_it_was_made(golden_dir, fixture
     assert t.other_load() is not None and t.other_load() >= 0
     # ... and the cores busy beside it while it loaded (what the report compares loads by).
     assert t.engine_load_beside_cores is not None and t.engine_load_beside_cores >= 0
+    assert t.generation_beside_cores is not None and t.other_load() == t.generation_beside_cores
     assert m.layout.shard_size == 16 and [s.count for s in m.layout.shards] == [16, 16, 8]
     assert m.dataset.prompts == 40 == len(run)
     t = m.timings

@@ -30,6 +30,13 @@ def test_the_run_records_cpu_time_and_load_from_its_shards() -> None:
     # A shard without them (an older engine), or with values that are not numbers: left out.
     assert _machine_load([metas[0], {"generation_s": 5.0}]) == {}
     assert _machine_load([{"generation_s": 1.0, "generation_cpu_s": "9", "load_avg": -1, "cpu_count": True}]) == {}
+    # The cores busy beside the engine (from /proc/stat), weighted like the load average; they
+    # are what other_load() reads where recorded, since the load average lags a minute.
+    measured = [{**metas[0], "beside_cores": 0.0}, {**metas[1], "beside_cores": 0.4}]
+    assert _machine_load(measured)["generation_beside_cores"] == 0.1
+    assert "generation_beside_cores" not in _machine_load([measured[0], metas[1]])  # one shard without it
+    lagging = _timings(2.6, 40.0).model_copy(update={"generation_beside_cores": 0.05})
+    assert lagging.other_load() == 0.05 and _timings(2.6, 40.0).other_load() == pytest.approx(1.6)
 
 
 def test_speeds_compare_only_under_the_same_load() -> None:

@@ -212,7 +212,7 @@ class EngineServer:
         k = max(p["sampling"]["logprobs"] for p in prompts)
 
         progress = self._progress(index, "generate")
-        load_before, cpu_before = _load_avg(), time.process_time()
+        load_before, cpu_before, clock = _load_avg(), time.process_time(), facts.cpu_seconds()
         started = time.perf_counter()
         if request.generate:
             with _naming(prompts, "generation"):
@@ -220,9 +220,12 @@ class EngineServer:
         else:  # prefill only (a quick check): the golden's completions are all there is to score
             outputs = [RawGeneration([], "", NOT_GENERATED, LogprobRows.empty(k)) for _ in prompts]
         generation_s = time.perf_counter() - started
-        # What the engine had of the machine while it generated: its own CPU time (every thread)
-        # and the load average, so that two runs' speeds are compared only when comparable.
+        # What the engine had of the machine while it generated: its own CPU time (every thread),
+        # the cores busy beside it and the load average, so that two runs' speeds are compared
+        # only when comparable (the load average lags a minute: an engine that finished loading
+        # beside this one still weighs on it).
         generation_cpu_s, load_after = time.process_time() - cpu_before, _load_avg()
+        beside = facts.cores_beside(clock, facts.cpu_seconds(), generation_s)
         progress.flush()
         # Where the backend built the prompt itself (a server's chat template), its ids are the input.
         used = [list(o.prompt_token_ids) if getattr(o, "prompt_token_ids", None) is not None else None
@@ -289,6 +292,7 @@ class EngineServer:
             "generation_s": generation_s,
             "generation_cpu_s": generation_cpu_s,
             **({"load_avg": (load_before + load_after) / 2} if load_before is not None and load_after is not None else {}),
+            **({"beside_cores": beside} if beside is not None else {}),
             "cpu_count": os.cpu_count(),
             "teacher_forcing_s": teacher_forcing_s,
             "prompt_tokens": int(prompt_tokens.size),

@@ -174,10 +174,17 @@ class Timings(_Measured):
     end): what else ran beside the engine. None where the platform has none, or in older runs."""
     cpu_count: int | None = None
     """Logical CPUs of the machine the engine ran on (for reading ``load_avg``)."""
+    generation_beside_cores: float | None = None
+    """Cores the rest of the machine kept busy during generation (its busy CPU time from
+    ``/proc/stat`` less the engine's own, over each shard's generation): unlike the load
+    average, it does not lag. None where unknown, or in older runs."""
 
     def other_load(self) -> float | None:
-        """The load beside the engine during generation: the load average less the cores the
-        engine itself kept busy (its CPU time over the generation's wall time)."""
+        """The load beside the engine during generation: the cores busy beside it where recorded,
+        else the load average less the cores the engine itself kept busy (its CPU time over the
+        generation's wall time)."""
+        if self.generation_beside_cores is not None:
+            return self.generation_beside_cores
         if self.load_avg is None or self.generation_cpu_s is None or self.generation_s <= 0:
             return None
         return max(0.0, self.load_avg - self.generation_cpu_s / self.generation_s)

@@ -126,20 +126,21 @@ def _prefilled(shard_metas: list[dict[str, Any]]) -> list[str] | None:
 
 
 def _machine_load(shard_metas: list[dict[str, Any]]) -> dict[str, Any]:
-    """The engine's CPU time, the load average (weighted by each shard's generation time) and the
-    CPU count over the shards that recorded them: how comparable the run's speed is to another's.
+    """The engine's CPU time, the load average and the cores busy beside the engine (each weighted
+    by its shard's generation time) and the CPU count over the shards that recorded them: how comparable the run's speed is to another's.
     A shard's values are numbers from the engine process (a worker's too): anything else is left out."""
     def number(value: Any) -> float | None:
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
     cpu = [number(m.get("generation_cpu_s")) for m in shard_metas]
-    loads = [(number(m.get("load_avg")), number(m.get("generation_s"))) for m in shard_metas]
     out: dict[str, Any] = {}
     if cpu and all(c is not None for c in cpu):
         out["generation_cpu_s"] = round(sum(cpu), 3)  # type: ignore[arg-type]
-    weighted = [(load, wall) for load, wall in loads if load is not None and wall]
-    if weighted and len(weighted) == len(loads):
-        out["load_avg"] = round(sum(load * wall for load, wall in weighted) / sum(wall for _, wall in weighted), 2)
+    for key, field in (("load_avg", "load_avg"), ("beside_cores", "generation_beside_cores")):
+        pairs = [(number(m.get(key)), number(m.get("generation_s"))) for m in shard_metas]
+        weighted = [(value, wall) for value, wall in pairs if value is not None and wall]
+        if weighted and len(weighted) == len(pairs):
+            out[field] = round(sum(value * wall for value, wall in weighted) / sum(wall for _, wall in weighted), 2)
     counts = {m.get("cpu_count") for m in shard_metas}
     count = next(iter(counts)) if len(counts) == 1 else None
     if isinstance(count, int) and not isinstance(count, bool) and count > 0:
