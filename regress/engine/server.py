@@ -225,7 +225,8 @@ class EngineServer:
         # only when comparable (the load average lags a minute: an engine that finished loading
         # beside this one still weighs on it).
         generation_cpu_s, load_after = time.process_time() - cpu_before, _load_avg()
-        beside = facts.cores_beside(clock, facts.cpu_seconds(), generation_s)
+        # (A prefill-only shard generated nothing: no time to measure the machine over.)
+        beside = facts.cores_beside(clock, facts.cpu_seconds(), generation_s) if request.generate else None
         progress.flush()
         # Where the backend built the prompt itself (a server's chat template), its ids are the input.
         used = [list(o.prompt_token_ids) if getattr(o, "prompt_token_ids", None) is not None else None

@@ -127,7 +127,8 @@ def _prefilled(shard_metas: list[dict[str, Any]]) -> list[str] | None:
 
 def _machine_load(shard_metas: list[dict[str, Any]]) -> dict[str, Any]:
     """The engine's CPU time, the load average and the cores busy beside the engine (each weighted
-    by its shard's generation time) and the CPU count over the shards that recorded them: how comparable the run's speed is to another's.
+    by its shard's generation time) and the CPU count over the shards that recorded them: how
+    comparable the run's speed is to another's.
     A shard's values are numbers from the engine process (a worker's too): anything else is left out."""
     def number(value: Any) -> float | None:
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
