@@ -57,12 +57,13 @@ def print_scores(report) -> None:  # type: ignore[no-untyped-def]
                       if not (prefill and (x.value == "—" or x.key == "exact_match_rate")))
     decision = "FAIL" if m.gating_failed else "PASS"
     verdicts = f"fidelity {m.verdict.upper()}, quality {(m.quality_verdict or 'n/a').upper()}"
+    load_said = load_note(report)
     speed = (f"  prefill only: {report.run.timings.teacher_forcing_s:.1f} s, engine load {m.engine_load_s:.1f} s"
              if prefill else
              f"  speed {m.tokens_per_s:.0f} tokens/s ({fmt(m.tokens_per_s_ratio, '{:.2f}')}x golden), "
              f"engine load {m.engine_load_s:.1f} s (golden {m.golden_engine_load_s:.1f} s)"
              + (f"\n  {m.speed_note}" if m.speed_comparable is False else "")
-             + (f"\n  {load_note(report)}" if load_note(report) else ""))
+             + (f"\n  {load_said}" if load_said else ""))
     _out(
         f"{m.candidate}: {decision} (gated on {m.gate}; {verdicts})  {m.prompts} prompts: {m.identical} identical"
         f"{' logprobs' if prefill else ''}, {m.benign} benign, "

@@ -180,11 +180,14 @@ def speed_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> t
     g, c = golden.other_load(), run.other_load()
     if g is None or c is None:
         return None, None
-    said = (f"beside the engine, the machine's load was {g:.1f} during the golden's generation and {c:.1f} "
-            f"during the candidate's (of {run.cpu_count or golden.cpu_count or '?'} CPUs)")
-    if abs(g - c) > bound:
-        return False, f"speeds not comparable: {said}; re-time both on a quiet machine"
-    return True, f"speeds comparable: {said}"
+    return _compared("speeds", abs(g - c) <= bound, "; re-time both on a quiet machine",
+                     f"beside the engine, the machine's load was {g:.1f} during the golden's generation and "
+                     f"{c:.1f} during the candidate's (of {run.cpu_count or golden.cpu_count or '?'} CPUs)")
+
+
+def _compared(what: str, alike: bool, advice: str, said: str) -> tuple[bool, str]:
+    """A comparison's answer and its note: ``what`` (not) comparable, and the figures it read."""
+    return (True, f"{what} comparable: {said}") if alike else (False, f"{what} not comparable: {said}{advice}")
 
 
 def load_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> tuple[bool | None, str | None]:
@@ -195,8 +198,6 @@ def load_comparison(golden: Any, run: Any, bound: float = PERF_LOAD_BOUND) -> tu
     g, c = golden.engine_load_beside_cores, run.engine_load_beside_cores
     if g is None or c is None:
         return None, None
-    said = (f"beside the engine, {g:.1f} cores were busy during the golden's engine load and {c:.1f} "
-            f"during the candidate's")
-    if abs(g - c) > bound:
-        return False, f"engine loads not comparable: {said}"
-    return True, f"engine loads comparable: {said}"
+    return _compared("engine loads", abs(g - c) <= bound, "",
+                     f"beside the engine, {g:.1f} cores were busy during the golden's engine load and "
+                     f"{c:.1f} during the candidate's")

@@ -319,12 +319,13 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
             fh.write(probe.stderr)
         raise fail("the new environment cannot import numpy and transformers", classify_probe(probe.stderr))
     freeze = _probe(python, "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))")
-    if freeze.returncode == 0 and base is None:
-        problem = pinned_version_problem(spec.package, json.loads(freeze.stdout))
+    distributions = json.loads(freeze.stdout) if freeze.returncode == 0 else None
+    if distributions is not None and base is None:
+        problem = pinned_version_problem(spec.package, distributions)
         if problem:
             raise fail(problem, BuildFailure(False, "another build installed under the pinned version"))
-    if freeze.returncode == 0:
-        _compile_engine_imports(python, json.loads(freeze.stdout), log, on_line)
+    if distributions is not None:
+        _compile_engine_imports(python, distributions, log, on_line)
     info = {
         "format_version": ENV_FORMAT_VERSION,
         "package": spec.package,
@@ -333,7 +334,7 @@ def _build(spec: EnvSpec, path: Path, log: Path, base: CandidateEnv | None, on_l
         "python": _probe(python, "import platform; print(platform.python_version())").stdout.strip(),
         "created_at": datetime.now(timezone.utc).isoformat(),
         "install_s": round(time.monotonic() - started, 1),
-        "distributions": json.loads(freeze.stdout) if freeze.returncode == 0 else {},
+        "distributions": distributions or {},
     }
     # Installed from a path or URL the spec names (PEP 610's direct_url.json): what the spec points
     # at is what the user means, so the lock leaves them out rather than pin their version.
